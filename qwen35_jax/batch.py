@@ -1,0 +1,75 @@
+"""The device-side inputs of one step: decode rows and prefill rows, already padded to their buckets.
+
+A step is *unified*: it may carry decode rows (one token each) and prefill rows (a chunk each) together.
+The dense layers run once over all their tokens; each token mixer runs per side (DESIGN §6).
+Either side may be absent (None), which gives the decode-only and prefill-only programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeSide:
+    tokens: jax.Array  # [B] int32: the token fed for each row
+    positions: jax.Array  # [B] int32: its index in the sequence (= tokens already cached)
+    slots: jax.Array  # [B] int32: GDN state slot (padding rows: the trash slot)
+    page_table: jax.Array  # [B, W] int32: KV pages in order (unused entries and padding rows: page 0)
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillSide:
+    tokens: jax.Array  # [P, T] int32: a chunk of prompt per row, padded to the chunk bucket T
+    start: jax.Array  # [P] int32: tokens of the row already cached before this chunk
+    lengths: jax.Array  # [P] int32: valid tokens in the chunk (0 for padding rows)
+    slots: jax.Array  # [P] int32
+    page_table: jax.Array  # [P, W] int32
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def chunk(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def positions(self) -> jax.Array:  # [P, T]
+        return self.start[:, None] + jnp.arange(self.chunk, dtype=jnp.int32)[None, :]
+
+    @property
+    def valid(self) -> jax.Array:  # [P, T] bool
+        return jnp.arange(self.chunk)[None, :] < self.lengths[:, None]
+
+    @property
+    def fresh(self) -> jax.Array:  # [P] bool: the row starts a new sequence
+        return self.start == 0
+
+    @property
+    def last_index(self) -> jax.Array:  # [P]: index of each row's last valid token
+        return jnp.maximum(self.lengths - 1, 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    decode: DecodeSide | None
+    prefill: PrefillSide | None
+
+    @property
+    def num_decode(self) -> int:
+        return 0 if self.decode is None else self.decode.num_rows
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return 0 if self.prefill is None else self.prefill.num_rows * self.prefill.chunk

@@ -1,0 +1,69 @@
+"""Device caches: a paged KV pool for the full-attention layers and per-slot GDN states for the linear layers.
+
+Page 0 and the last slot are trash: padding rows of a bucket write there, so real pages and slots never
+see padding. The host-side pools (serving/pools.py) never hand them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from qwen35_jax.config import Qwen35Config
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Cache:
+    k_pages: jax.Array  # [full_layers, num_pages, page_size, kv_heads, head_dim] model dtype
+    v_pages: jax.Array  # [full_layers, num_pages, page_size, kv_heads, head_dim] model dtype
+    ssm: jax.Array  # [linear_layers, num_slots, v_heads, dk, dv] fp32 recurrent state
+    conv: jax.Array  # [linear_layers, num_slots, K-1, conv_dim] model dtype, oldest input first
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.ssm.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    num_pages: int
+    page_size: int
+    num_slots: int
+
+    def shapes(self, cfg: Qwen35Config, dtype) -> dict[str, jax.ShapeDtypeStruct]:
+        kv = (cfg.num_full_layers, self.num_pages, self.page_size, cfg.num_key_value_heads, cfg.head_dim)
+        ssm = (cfg.num_linear_layers, self.num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+               cfg.linear_value_head_dim)  # fmt: skip
+        conv = (cfg.num_linear_layers, self.num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
+        return {
+            "k_pages": jax.ShapeDtypeStruct(kv, dtype),
+            "v_pages": jax.ShapeDtypeStruct(kv, dtype),
+            "ssm": jax.ShapeDtypeStruct(ssm, jnp.float32),
+            "conv": jax.ShapeDtypeStruct(conv, dtype),
+        }
+
+    def nbytes(self, cfg: Qwen35Config, dtype) -> int:
+        return sum(s.size * s.dtype.itemsize for s in self.shapes(cfg, dtype).values())
+
+
+def bytes_per_page(cfg: Qwen35Config, page_size: int, dtype) -> int:
+    return CacheSpec(1, page_size, 0).nbytes(cfg, dtype)
+
+
+def bytes_per_slot(cfg: Qwen35Config, dtype) -> int:
+    return CacheSpec(0, 1, 1).nbytes(cfg, dtype)
+
+
+def new_cache(cfg: Qwen35Config, spec: CacheSpec, dtype) -> Cache:
+    return Cache(**{name: jnp.zeros(s.shape, s.dtype) for name, s in spec.shapes(cfg, dtype).items()})

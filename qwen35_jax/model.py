@@ -1,0 +1,382 @@
+"""Qwen3.5 text decoder in Flax NNX, as pure functions of (params, cache, step inputs).
+
+The modules declare every tensor once, in HF's layout and under HF's names, so the checkpoint key of a
+parameter is its module path (see weights.py). The layers run as a `lax.scan` over repeated groups
+(3 Gated DeltaNet layers + 1 gated full-attention layer on published models), so compile time does not
+grow with depth. One step may carry decode rows and prefill rows together (batch.StepInputs): dense
+layers run once over all tokens, the token mixers run per side through the kernel set (`kernels.Mixers`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from qwen35_jax.batch import StepInputs
+from qwen35_jax.cache import Cache
+from qwen35_jax.config import LINEAR, Qwen35Config
+from qwen35_jax.kernels import Mixers
+
+
+def _param(shape, dtype) -> nnx.Param:
+    # Values are filled from a checkpoint or by weights.random_params; modules are built abstractly.
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [..., in] @ weight[out, in]^T, the HF layout, with fp32 accumulation and x's dtype out."""
+    out = lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    def __init__(self, in_features: int, out_features: int, dtype):
+        self.weight = _param((out_features, in_features), dtype)
+
+    def __call__(self, x):
+        return matmul(x, self.weight[...])
+
+
+class Weight(nnx.Module):
+    """A module holding one bare `weight` (HF's conv1d and embed_tokens)."""
+
+    def __init__(self, shape, dtype):
+        self.weight = _param(shape, dtype)
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = _param((dim,), dtype)
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """The GDN output norm: w * round(norm(o)) * silu(z), the weight not zero-centred (HF rounding order)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = _param((dim,), dtype)
+        self.eps = eps
+
+    def __call__(self, x, gate):
+        x32 = x.astype(jnp.float32)
+        normed = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        scaled = (self.weight[...] * normed).astype(x.dtype)
+        return (scaled.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, dtype):
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
+
+    def __call__(self, x):
+        gate = self.gate_proj(x)
+        return self.down_proj(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * self.up_proj(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What every layer of one step needs besides its weights: the sides, RoPE tables, KV destinations."""
+
+    inputs: StepInputs
+    mixers: Mixers
+    cos: jax.Array  # [N, rotary_dim] model dtype
+    sin: jax.Array  # [N, rotary_dim]
+    kv_page: jax.Array  # [N] page each token's K/V goes to (padding: trash page 0)
+    kv_offset: jax.Array  # [N] offset inside that page
+
+    def split(self, x: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
+        """Flat token rows [N, ...] -> (decode [B, ...] or None, prefill [P, T, ...] or None)."""
+        num_decode = self.inputs.num_decode
+        decode = x[:num_decode] if self.inputs.decode is not None else None
+        prefill = None
+        if self.inputs.prefill is not None:
+            side = self.inputs.prefill
+            prefill = x[num_decode:].reshape(side.num_rows, side.chunk, *x.shape[1:])
+        return decode, prefill
+
+    @staticmethod
+    def join(decode: jax.Array | None, prefill: jax.Array | None) -> jax.Array:
+        parts = [] if decode is None else [decode]
+        if prefill is not None:
+            parts.append(prefill.reshape(-1, *prefill.shape[2:]))
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, dtype):
+        self.cfg = cfg
+        nv = cfg.linear_num_value_heads
+        self.in_proj_qkv = Linear(cfg.hidden_size, cfg.conv_dim, dtype)
+        self.in_proj_z = Linear(cfg.hidden_size, cfg.gdn_value_dim, dtype)
+        self.in_proj_b = Linear(cfg.hidden_size, nv, dtype)
+        self.in_proj_a = Linear(cfg.hidden_size, nv, dtype)
+        self.conv1d = Weight((cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), dtype)
+        self.dt_bias = _param((nv,), dtype)
+        self.A_log = _param((nv,), dtype)
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
+        self.out_proj = Linear(cfg.gdn_value_dim, cfg.hidden_size, dtype)
+
+    def _split_qkv(self, mixed):
+        cfg = self.cfg
+        q, k, v = jnp.split(mixed, [cfg.gdn_key_dim, 2 * cfg.gdn_key_dim], axis=-1)
+        lead = mixed.shape[:-1]
+        return (q.reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
+                k.reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
+                v.reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim))  # fmt: skip
+
+    def _decode(self, ctx, cache, layer, mixed, g, beta):
+        side = ctx.inputs.decode
+        weight = self.conv1d.weight[...][:, 0, :]
+        mixed, conv = ctx.mixers.conv_update(mixed, weight, cache.conv, layer, side.slots)
+        q, k, v = self._split_qkv(mixed)
+        out, ssm = ctx.mixers.gdn_decode(q, k, v, g, beta, cache.ssm, layer, side.slots)
+        return out, dataclasses.replace(cache, conv=conv, ssm=ssm)
+
+    def _prefill(self, ctx, cache, layer, mixed, g, beta):
+        side = ctx.inputs.prefill
+        weight = self.conv1d.weight[...][:, 0, :]
+        mixed, conv = ctx.mixers.conv_prefill(
+            mixed, weight, cache.conv, layer, side.slots, side.lengths, side.fresh
+        )
+        q, k, v = self._split_qkv(mixed)
+        out, ssm = ctx.mixers.gdn_prefill(
+            q, k, v, g, beta, cache.ssm, layer, side.slots, side.lengths, side.fresh
+        )
+        return out, dataclasses.replace(cache, conv=conv, ssm=ssm)
+
+    def __call__(self, x, cache: Cache, layer, ctx: StepContext):
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x)
+        beta = jax.nn.sigmoid(self.in_proj_b(x))
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a + self.dt_bias[...].astype(jnp.float32)
+        )
+        mixed_d, mixed_p = ctx.split(mixed)
+        (g_d, g_p), (beta_d, beta_p) = ctx.split(g), ctx.split(beta)
+        out_d = out_p = None
+        if mixed_d is not None:
+            out_d, cache = self._decode(ctx, cache, layer, mixed_d, g_d, beta_d)
+        if mixed_p is not None:
+            out_p, cache = self._prefill(ctx, cache, layer, mixed_p, g_p, beta_p)
+        out = StepContext.join(out_d, out_p)  # [N, nv, dv]
+        z = z.reshape(out.shape)
+        out = self.norm(out, z).reshape(x.shape[0], -1)
+        return self.out_proj(out), cache
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x, cos, sin):
+    """Partial RoPE on the first rotary_dim dims, rotate_half pairs (i, i + rotary_dim/2); x [N, heads, D]."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x_rot = (x_rot * cos).astype(x.dtype) + (rotate_half(x_rot) * sin).astype(x.dtype)
+    return jnp.concatenate([x_rot.astype(x.dtype), x_pass], axis=-1)
+
+
+def rope_tables(positions, cfg: Qwen35Config, dtype):
+    """cos/sin [N, rotary_dim], computed in fp32 and cast to the model dtype (as HF)."""
+    rot = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, dtype):
+        self.cfg = cfg
+        heads, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, heads * dim * 2, dtype)
+        self.k_proj = Linear(cfg.hidden_size, kv * dim, dtype)
+        self.v_proj = Linear(cfg.hidden_size, kv * dim, dtype)
+        self.o_proj = Linear(heads * dim, cfg.hidden_size, dtype)
+        self.q_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
+
+    def _project(self, x, ctx):
+        cfg = self.cfg
+        n, dim = x.shape[0], cfg.head_dim
+        # q_proj rows are interleaved per head: [query_h | gate_h] for each head h.
+        q_gate = self.q_proj(x).reshape(n, cfg.num_attention_heads, 2 * dim)
+        query, gate = q_gate[..., :dim], q_gate[..., dim:].reshape(n, -1)
+        k = self.k_proj(x).reshape(n, cfg.num_key_value_heads, dim)
+        v = self.v_proj(x).reshape(n, cfg.num_key_value_heads, dim)
+        q = apply_rope(self.q_norm(query), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
+        return q, k, v, gate
+
+    def __call__(self, x, cache: Cache, layer, ctx: StepContext):
+        q, k, v, gate = self._project(x, ctx)
+        k_pages = cache.k_pages.at[layer, ctx.kv_page, ctx.kv_offset].set(k)
+        v_pages = cache.v_pages.at[layer, ctx.kv_page, ctx.kv_offset].set(v)
+        q_d, q_p = ctx.split(q)
+        out_d = out_p = None
+        if q_d is not None:
+            side = ctx.inputs.decode
+            out_d = ctx.mixers.decode_attention(
+                q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1
+            )
+        if q_p is not None:
+            side = ctx.inputs.prefill
+            out_p = ctx.mixers.prefill_attention(
+                q_p, k_pages, v_pages, layer, side.page_table, side.start, side.lengths
+            )
+        out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
+        out = (out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)
+        return self.o_proj(out), dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, kind: str, dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, dtype)
+        else:
+            self.self_attn = Attention(cfg, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def __call__(self, h, cache, layer, ctx):
+        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+        out, cache = mixer(self.input_layernorm(h), cache, layer, ctx)
+        h = h + out
+        return h + self.mlp(self.post_attention_layernorm(h)), cache
+
+
+class LayerGroup(nnx.Module):
+    """One repeat of the layer pattern: linear_per_group GDN layers, then one full-attention layer."""
+
+    def __init__(self, cfg: Qwen35Config, dtype):
+        self.cfg = cfg
+        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype) for kind in cfg.layer_types[: cfg.group_size]])
+
+    def __call__(self, h, cache, group, ctx):
+        per_group = self.cfg.linear_per_group
+        for j, layer in enumerate(self.layers):
+            index = group * per_group + j if j < per_group else group
+            h, cache = layer(h, cache, index, ctx)
+        return h, cache
+
+
+class Embedding(nnx.Module):
+    def __init__(self, cfg: Qwen35Config, dtype):
+        self.embed_tokens = Weight((cfg.vocab_size, cfg.hidden_size), dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+
+    def embed(self, tokens):
+        return self.embed_tokens.weight[...][tokens]
+
+    def logits(self, h):
+        """[R, hidden] -> fp32 logits [R, vocab] (fp32 accumulation; HF rounds them to the model dtype)."""
+        head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed_tokens.weight
+        return lax.dot_general(
+            self.norm(h), head[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """The static half of the model: config, dtype and the graph definitions of its two module kinds."""
+
+    cfg: Qwen35Config
+    dtype: Any
+    top: nnx.GraphDef
+    group: nnx.GraphDef
+
+    def __hash__(self):
+        return hash((self.cfg, str(self.dtype)))
+
+    def __eq__(self, other):
+        return isinstance(other, ModelDef) and (self.cfg, str(self.dtype)) == (other.cfg, str(other.dtype))
+
+
+def abstract_model(cfg: Qwen35Config, dtype) -> tuple[ModelDef, dict[str, nnx.State]]:
+    """Graph definitions and abstract parameter state; group params are stacked on a leading [groups] axis."""
+    top_def, top_state = nnx.split(nnx.eval_shape(lambda: Embedding(cfg, dtype)))
+    group_def, group_state = nnx.split(nnx.eval_shape(lambda: LayerGroup(cfg, dtype)))
+    stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((cfg.num_groups, *s.shape), s.dtype), group_state)
+    return ModelDef(cfg, jnp.dtype(dtype), top_def, group_def), {"top": top_state, "groups": stacked}
+
+
+def _kv_destinations(inputs: StepInputs, page_size: int) -> tuple[jax.Array, jax.Array]:
+    pages, offsets = [], []
+    if inputs.decode is not None:
+        side = inputs.decode
+        idx = jnp.minimum(side.positions // page_size, side.page_table.shape[1] - 1)
+        pages.append(jnp.take_along_axis(side.page_table, idx[:, None], axis=1)[:, 0])
+        offsets.append(side.positions % page_size)
+    if inputs.prefill is not None:
+        side = inputs.prefill
+        pos = side.positions
+        idx = jnp.minimum(pos // page_size, side.page_table.shape[1] - 1)
+        page = jnp.take_along_axis(side.page_table, idx, axis=1)
+        pages.append(jnp.where(side.valid, page, 0).reshape(-1))
+        offsets.append((pos % page_size).reshape(-1))
+    return jnp.concatenate(pages), jnp.concatenate(offsets)
+
+
+def _flat(inputs: StepInputs, name: str) -> jax.Array:
+    parts = []
+    if inputs.decode is not None:
+        parts.append(getattr(inputs.decode, name))
+    if inputs.prefill is not None:
+        parts.append(getattr(inputs.prefill, name).reshape(-1))
+    return jnp.concatenate(parts)
+
+
+def _logit_rows(inputs: StepInputs, all_prefill: bool) -> jax.Array:
+    """Rows of the flat token axis whose logits are wanted: every decode row, and each prefill row's
+    last valid token (or every prefill token when all_prefill)."""
+    num_decode = inputs.num_decode
+    rows = [jnp.arange(num_decode)]
+    if inputs.prefill is not None:
+        side = inputs.prefill
+        if all_prefill:
+            rows.append(num_decode + jnp.arange(side.num_rows * side.chunk))
+        else:
+            rows.append(num_decode + jnp.arange(side.num_rows) * side.chunk + side.last_index)
+    return jnp.concatenate(rows)
+
+
+def forward(
+    model: ModelDef, params, cache: Cache, inputs: StepInputs, mixers: Mixers, all_prefill_logits=False
+) -> tuple[jax.Array, Cache]:
+    """One step. Returns fp32 logits [B + P, vocab] (decode rows first, then each prefill row's last
+    token; or [B + P*T, vocab] with all_prefill_logits) and the updated cache."""
+    top = nnx.merge(model.top, params["top"])
+    positions = _flat(inputs, "positions")
+    cos, sin = rope_tables(positions, model.cfg, model.dtype)
+    kv_page, kv_offset = _kv_destinations(inputs, cache.page_size)
+    ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset)
+    h = top.embed(_flat(inputs, "tokens"))
+
+    def body(carry, xs):
+        h, cache = carry
+        group_state, group_index = xs
+        return nnx.merge(model.group, group_state)(h, cache, group_index, ctx), None
+
+    groups = jnp.arange(model.cfg.num_groups, dtype=jnp.int32)
+    (h, cache), _ = lax.scan(body, (h, cache), (params["groups"], groups))
+    return top.logits(h[_logit_rows(inputs, all_prefill_logits)]), cache

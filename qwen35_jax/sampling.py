@@ -1,0 +1,58 @@
+"""Sampling parameters and a host-side sampler for the single-request API path.
+
+The engine samples on the device, per row (serving/device_sampling.py); this host version serves
+`LoadedModel.generate`, and is the oracle the device sampler is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Probabilities after temperature, top_k, top_p and min_p (in that order), renormalised."""
+    scaled = logits.astype(np.float64) / params.temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.ones_like(probs, dtype=bool)
+    if params.top_k:
+        keep[order[params.top_k :]] = False
+    cumulative = np.cumsum(probs[order]) - probs[order]
+    keep[order[cumulative >= params.top_p]] = False
+    keep &= probs >= params.min_p * probs.max()
+    keep[order[0]] = True
+    probs = np.where(keep, probs, 0.0)
+    return probs / probs.sum()
+
+
+def sample_host(logits: np.ndarray, params: SamplingParams, step: int) -> int:
+    if params.greedy:
+        return int(np.argmax(logits))
+    rng = np.random.default_rng([params.seed, step])
+    return int(rng.choice(len(logits), p=filtered_probs(logits, params)))

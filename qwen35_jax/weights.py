@@ -1,0 +1,262 @@
+"""Weights: the tensor table, HF safetensors loading with coverage and shape checks, orbax conversion,
+and seeded random weights at any preset's shapes.
+
+The table is read off the Flax modules themselves: a parameter's module path *is* its HF key (with the
+layer index rebuilt from group and position), so each tensor is declared exactly once (model.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.model import abstract_model
+
+log = logging.getLogger(__name__)
+
+SKIPPED_PREFIXES = ("mtp.", "model.visual.")  # multi-token prediction head and vision tower: not for text
+TEXT_PREFIXES = ("model.language_model.", "model.")
+ORBAX_MARKER = "qwen35_jax_orbax.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: the message names the tensor at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    path: tuple  # the parameter's path in the params tree ("top"|"groups", ...)
+    hf_keys: tuple[str, ...]  # one key, or one per layer group (stacked on axis 0)
+    shape: tuple[int, ...]  # shape of one tensor as stored in the checkpoint
+    dtype: np.dtype
+
+    @property
+    def stacked(self) -> bool:
+        return self.path[0] == "groups"
+
+
+def _names(path) -> tuple:
+    return tuple(
+        getattr(k, "key", getattr(k, "name", None)) for k in path if getattr(k, "name", "") != "value"
+    )
+
+
+def _hf_keys(cfg: Qwen35Config, names: tuple) -> tuple[str, ...]:
+    if names[0] == "top":
+        return (".".join(str(n) for n in names[1:]),)
+    _, _, position, *rest = names  # ("groups", "layers", j, ...)
+    tail = ".".join(str(n) for n in rest)
+    return tuple(f"layers.{g * cfg.group_size + position}.{tail}" for g in range(cfg.num_groups))
+
+
+def weight_specs(cfg: Qwen35Config, dtype) -> list[WeightSpec]:
+    _, abstract = abstract_model(cfg, dtype)
+    specs = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        names = _names(path)
+        shape = tuple(leaf.shape[1:]) if names[0] == "groups" else tuple(leaf.shape)
+        specs.append(WeightSpec(names, _hf_keys(cfg, names), shape, np.dtype(leaf.dtype)))
+    return specs
+
+
+def build_params(cfg: Qwen35Config, dtype, tensor_for: callable) -> dict:
+    """Params tree on the device, each leaf from tensor_for(spec) -> numpy array of the stacked shape."""
+    model_def, abstract = abstract_model(cfg, dtype)
+    by_path = {spec.path: spec for spec in weight_specs(cfg, dtype)}
+
+    def fill(path, leaf):
+        return jnp.asarray(tensor_for(by_path[_names(path)]), dtype=leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, abstract)
+
+
+# ---- safetensors ----------------------------------------------------------------------------------------
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({folder / name for name in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{folder}: shard files named in the index are missing: {missing}")
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files")
+    return files
+
+
+def _text_prefix(keys: list[str]) -> str:
+    if any(k.startswith("model.language_model.") for k in keys):
+        return "model.language_model."
+    return "model."
+
+
+class SafetensorsReader:
+    """Key -> (file, shape) over all shards, with the text prefix stripped and skipped keys set aside."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.files = _shard_files(folder)
+        raw = {}
+        for file in self.files:
+            with safe_open(file, framework="numpy") as f:
+                for key in f.keys():
+                    raw[key] = file
+        prefix = _text_prefix(list(raw))
+        self.skipped = sorted(k for k in raw if k.startswith(SKIPPED_PREFIXES))
+        self.entries = {}
+        for key, file in raw.items():
+            if key in self.skipped:
+                continue
+            name = key[len(prefix) :] if key.startswith(prefix) else key
+            self.entries[name] = (file, key)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        file, key = self.entries[name]
+        with safe_open(file, framework="numpy") as f:
+            return tuple(f.get_slice(key).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        file, key = self.entries[name]
+        with safe_open(file, framework="numpy") as f:
+            return f.get_tensor(key)
+
+
+def check_coverage(reader: SafetensorsReader, specs: list[WeightSpec]) -> None:
+    expected = {key: spec.shape for spec in specs for key in spec.hf_keys}
+    missing = sorted(set(expected) - set(reader.entries))
+    if missing:
+        raise CheckpointError(
+            f"{reader.folder}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
+    unexpected = sorted(set(reader.entries) - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"{reader.folder}: unexpected tensor(s) {unexpected[:8]} (not part of the model)"
+        )
+    for key, shape in expected.items():
+        found = reader.shape(key)
+        if found != shape:
+            raise CheckpointError(
+                f"{reader.folder}: tensor {key} has shape {list(found)}, expected {list(shape)}"
+            )
+
+
+def _as_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if array.dtype == dtype:
+        return array
+    return (
+        array.astype(np.float32).astype(dtype) if array.dtype == ml_dtypes.bfloat16 else array.astype(dtype)
+    )
+
+
+def load_safetensors(folder: str | Path, cfg: Qwen35Config, dtype) -> dict:
+    folder = Path(folder)
+    reader = SafetensorsReader(folder)
+    specs = weight_specs(cfg, dtype)
+    check_coverage(reader, specs)
+    if reader.skipped:
+        kinds = sorted({k.split(".")[0] if k.startswith("mtp.") else "model.visual" for k in reader.skipped})
+        log.info("skipping %d tensors on purpose (%s): not used for text serving", len(reader.skipped), kinds)
+
+    def tensor_for(spec: WeightSpec) -> np.ndarray:
+        arrays = [_as_dtype(reader.read(key), spec.dtype) for key in spec.hf_keys]
+        return np.stack(arrays) if spec.stacked else arrays[0]
+
+    return build_params(cfg, dtype, tensor_for)
+
+
+# ---- orbax ----------------------------------------------------------------------------------------------
+
+
+def _to_pure(params) -> dict:
+    return nnx.to_pure_dict(params["top"]), nnx.to_pure_dict(params["groups"])
+
+
+def save_orbax(params, cfg_json: dict, dst: str | Path, dtype_name: str) -> None:
+    import orbax.checkpoint as ocp
+
+    dst = Path(dst).absolute()
+    dst.mkdir(parents=True, exist_ok=True)
+    top, groups = _to_pure(params)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(dst / "params", {"top": top, "groups": groups}, force=True)
+    (dst / "config.json").write_text(json.dumps(cfg_json, indent=2))
+    (dst / ORBAX_MARKER).write_text(json.dumps({"dtype": dtype_name, "format": 1}))
+
+
+def is_orbax_folder(folder: Path) -> bool:
+    return (folder / ORBAX_MARKER).is_file()
+
+
+def load_orbax(folder: str | Path, cfg: Qwen35Config, dtype) -> dict:
+    import orbax.checkpoint as ocp
+
+    folder = Path(folder).absolute()
+    _, abstract = abstract_model(cfg, dtype)
+    target = {"top": nnx.to_pure_dict(abstract["top"]), "groups": nnx.to_pure_dict(abstract["groups"])}
+    with ocp.StandardCheckpointer() as ckpt:
+        try:
+            restored = ckpt.restore(folder / "params", target)
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(f"{folder}: orbax checkpoint does not match the model: {err}") from err
+    for part in ("top", "groups"):
+        nnx.replace_by_pure_dict(abstract[part], restored[part])
+    return abstract
+
+
+# ---- random weights -------------------------------------------------------------------------------------
+
+_ZERO_CENTRED_NORM = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|^norm)\.weight$")
+
+
+def _random_tensor(rng: np.random.Generator, key: str, shape, scale: float) -> np.ndarray:
+    """Values in the ranges trained Qwen3.5 weights have, so activations stay finite at any depth."""
+    if _ZERO_CENTRED_NORM.search(key):
+        return rng.normal(0.0, 0.1, shape)
+    if key.endswith("linear_attn.norm.weight"):
+        return rng.uniform(0.5, 1.5, shape)
+    if key.endswith("A_log"):
+        return np.log(rng.uniform(1.0, 16.0, shape))
+    if key.endswith("dt_bias"):
+        return rng.normal(0.0, 1.0, shape)
+    fan_in = shape[-1] if len(shape) > 1 else 1
+    std = 0.02 if key.endswith("embed_tokens.weight") else scale / np.sqrt(fan_in)
+    return rng.normal(0.0, std, shape)
+
+
+def random_params(cfg: Qwen35Config, dtype, seed: int = 0, scale: float = 1.0) -> dict:
+    """Seeded random weights at cfg's shapes (for tests and random-weight benchmarks)."""
+    start = time.perf_counter()
+
+    def tensor_for(spec: WeightSpec) -> np.ndarray:
+        arrays = []
+        for key in spec.hf_keys:
+            rng = np.random.default_rng([seed, zlib_crc(key)])
+            arrays.append(_random_tensor(rng, key, spec.shape, scale).astype(np.float32).astype(spec.dtype))
+        return np.stack(arrays) if spec.stacked else arrays[0]
+
+    params = build_params(cfg, dtype, tensor_for)
+    log.info("random weights for %s in %.1fs", cfg.name, time.perf_counter() - start)
+    return params
+
+
+def zlib_crc(text: str) -> int:
+    import zlib
+
+    return zlib.crc32(text.encode())

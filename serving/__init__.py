@@ -1,0 +1,1 @@
+"""Scheduler, engine loop, OpenAI HTTP server and benchmark client."""

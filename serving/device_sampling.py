@@ -1,0 +1,74 @@
+"""Per-row sampling on the device: greedy, temperature, top_k, top_p, min_p, a seed per request, logprobs.
+
+Randomness is keyed by (request seed, index of the token in the request's output), never by the step or
+the row, so a seeded request samples the same tokens whatever else shares its batch. Filters apply in the
+order temperature -> top_k -> top_p -> min_p over probabilities sorted once per row; the draw is a
+Gumbel-max over the kept set. Logprobs are of the unfiltered distribution at temperature 1 (as OpenAI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingRows:
+    temperature: jax.Array  # [R] fp32, 0 = greedy
+    top_k: jax.Array  # [R] int32, 0 = off
+    top_p: jax.Array  # [R] fp32 in (0, 1]
+    min_p: jax.Array  # [R] fp32 in [0, 1)
+    seed: jax.Array  # [R] uint32
+    output_index: jax.Array  # [R] int32: index of the token being sampled in the request's output
+
+    @staticmethod
+    def from_rows(rows: list, pad_to: int) -> SamplingRows:
+        """rows: SamplingParams-like objects with an `output_index` attribute given per row; padded rows greedy."""
+
+        def column(name, dtype, default):
+            values = [getattr(r, name) for r in rows] + [default] * (pad_to - len(rows))
+            return np.asarray(values, dtype=dtype)
+
+        return SamplingRows(
+            temperature=column("temperature", np.float32, 0.0), top_k=column("top_k", np.int32, 0),
+            top_p=column("top_p", np.float32, 1.0), min_p=column("min_p", np.float32, 0.0),
+            seed=column("seed", np.uint32, 0), output_index=column("output_index", np.int32, 0),
+        )  # fmt: skip
+
+
+def _keep_mask(sorted_probs, top_k, top_p, min_p):
+    """sorted_probs [R, V] descending -> bool mask of kept ranks (rank 0 always kept)."""
+    ranks = jnp.arange(sorted_probs.shape[-1])[None, :]
+    keep = jnp.where(top_k[:, None] > 0, ranks < top_k[:, None], True)
+    exclusive_cumsum = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep &= exclusive_cumsum < top_p[:, None]
+    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    return keep | (ranks == 0)
+
+
+def _draw(logits, rows: SamplingRows):
+    temperature = jnp.maximum(rows.temperature, 1e-6)[:, None]
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / temperature
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    keep = _keep_mask(probs, rows.top_k, rows.top_p, rows.min_p)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed, rows.output_index)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+    rank = jnp.argmax(jnp.where(keep, sorted_logits + gumbel, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(order, rank[:, None], axis=-1)[:, 0]
+
+
+def sample(logits: jax.Array, rows: SamplingRows, num_top: int):
+    """logits [R, V] fp32 -> (tokens [R] int32, token logprob [R], top ids [R, num_top], top logprobs)."""
+    greedy = jnp.argmax(logits, axis=-1)
+    any_sampled = jnp.any(rows.temperature > 0)
+    drawn = jax.lax.cond(any_sampled, lambda: _draw(logits, rows), lambda: greedy)
+    tokens = jnp.where(rows.temperature > 0, drawn, greedy).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logprobs, num_top)
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lp

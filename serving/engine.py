@@ -1,0 +1,296 @@
+"""The engine loop: schedule -> launch -> process the previous step's result, one step late.
+
+The host never waits on the step it just launched: it reads step N-1's tokens after launching step N, so
+the device always has the next step queued. Requests are retired on EOS, stop token ids, stop strings or
+length; retiring, cancelling and failing all hand the request's slot and pages back at once. That is safe
+while a step that uses them is still in flight: every step takes the caches from the step before
+(donated buffers, one compute stream), so a later owner's writes are ordered after it.
+
+Threading: `submit` and `abort` may be called from any thread; the loop runs in one thread (`start`) or
+inline (`run_until_done`). Outputs are delivered through each request's `on_output` callback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from qwen35_jax.serving.plan import Request, StepPlan
+from qwen35_jax.serving.runner import StepHandle
+from qwen35_jax.serving.scheduler import Scheduler
+
+from qwen35_jax.sampling import SamplingParams
+from qwen35_jax.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationParams:
+    """What one request asks for besides its prompt."""
+
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per token; None = none
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """One delivery to a request's consumer: new tokens since the last one, and the finish if it happened."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Generation:
+    request: Request
+    params: GenerationParams
+    on_output: Callable[[RequestOutput], None]
+    detokenizer: IncrementalDetokenizer | None
+    stop_matcher: StopStringMatcher | None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+@dataclasses.dataclass
+class SamplingRow:
+    """Per-row sampling inputs as the runner wants them."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    output_index: int
+
+
+class Engine:
+    def __init__(self, runner, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...], metrics=None):
+        self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.metrics = metrics
+        self.generations: dict[str, Generation] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Generation] = []
+        self._aborts: list[str] = []
+        self._in_flight: StepHandle | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.trace_steps = False
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises RequestRejected when the request can never fit (before anything is queued)."""
+        self.scheduler.check_request(num_prompt_tokens, max_tokens)
+
+    def submit(
+        self, prompt_ids: list[int], params: GenerationParams, on_output, request_id: str | None = None
+    ) -> str:
+        self.check(len(prompt_ids), params.max_tokens)
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = Request(request_id=request_id, prompt_ids=list(prompt_ids), max_tokens=params.max_tokens)
+        gen = Generation(request, params, on_output, *self._text_tools(params))
+        with self._wake:
+            self._inbox.append(gen)
+            self._wake.notify()
+        return request_id
+
+    def _text_tools(self, params: GenerationParams):
+        if self.tokenizer is None:
+            return None, None
+        matcher = StopStringMatcher(list(params.stop)) if params.stop else None
+        return IncrementalDetokenizer(self.tokenizer), matcher
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for gen in inbox:
+            self.generations[gen.request.request_id] = gen
+            self.scheduler.add(gen.request)
+        for request_id in aborts:
+            self._finish(request_id, "abort", emit=True)
+
+    def step(self) -> bool:
+        """One iteration; returns False when there was nothing to do."""
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        launched = self._launch(plan) if plan.action != "idle" else None
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._process(previous)
+        return launched is not None or previous is not None
+
+    def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:
+        rows = []
+        for row in itertools.chain(plan.decode, plan.prefill):
+            gen = self.generations[row.request_id]
+            s = gen.params.sampling
+            index = gen.request.num_output_tokens - 1  # counted at schedule time for this step
+            rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index))
+        return rows
+
+    def _launch(self, plan: StepPlan) -> StepHandle | None:
+        if self.trace_steps:
+            log.info(self.scheduler.trace(plan))
+        try:
+            return self.runner.launch(plan, self._sampling_rows(plan))
+        except Exception as err:  # a failed step fails its requests, not the engine
+            log.exception("step %d failed", plan.step_id)
+            self._fail_step(plan, f"engine step failed: {err}")
+            return None
+
+    def _fail_step(self, plan: StepPlan, message: str) -> None:
+        ids = {r.request_id for r in itertools.chain(plan.decode, plan.prefill)}
+        if self.runner.cache_lost():
+            ids |= {rid for rid, gen in self.generations.items() if gen.request.slot is not None}
+            self.runner.reset_cache()
+            self._in_flight = None
+        for request_id in ids:
+            self._finish(request_id, "error", emit=True, error=message)
+
+    def _process(self, handle: StepHandle) -> None:
+        try:
+            tokens, chosen, top_ids, top_lp = handle.fetch()
+        except Exception as err:
+            log.exception("step %d failed on the device", handle.plan.step_id)
+            self._fail_step(handle.plan, f"engine step failed: {err}")
+            return
+        for i, row in handle.output_rows():
+            if getattr(row, "is_last", True):
+                self._accept(row.request_id, int(tokens[i]), float(chosen[i]), top_ids[i], top_lp[i])
+        if self.metrics is not None:
+            self.metrics.on_step(handle, self)
+
+    def _accept(self, request_id: str, token: int, logprob: float, top_ids, top_lp) -> None:
+        gen = self.generations.get(request_id)
+        if gen is None or gen.finished:
+            return  # retired while this step was in flight
+        if gen.first_token_at is None:
+            gen.first_token_at = time.perf_counter()
+        gen.output_ids.append(token)
+        reason = self._finish_reason(gen, token)
+        text, stopped = self._text_delta(gen, token, reason)
+        lps = None
+        if gen.params.logprobs is not None:
+            n = gen.params.logprobs
+            lps = [
+                TokenLogprob(token, logprob, [(int(i), float(v)) for i, v in zip(top_ids[:n], top_lp[:n])])
+            ]
+        self._emit(gen, RequestOutput(request_id, [token], text, lps))
+        if stopped or reason is not None:
+            self._finish(request_id, "stop" if stopped else reason, emit=True)
+
+    def _finish_reason(self, gen: Generation, token: int) -> str | None:
+        if token in gen.params.stop_token_ids or (not gen.params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(gen.output_ids) >= gen.params.max_tokens:
+            return "length"
+        return None
+
+    def _text_delta(self, gen: Generation, token: int, reason: str | None) -> tuple[str, bool]:
+        """New text for this token (a stop token adds none) and whether a stop string ended the output."""
+        if gen.detokenizer is None:
+            return "", False
+        text = "" if reason == "stop" else gen.detokenizer.push([token])
+        if reason is not None:
+            text += gen.detokenizer.flush()
+        if gen.stop_matcher is None:
+            return text, False
+        text, stopped = gen.stop_matcher.push(text)
+        if reason is not None and not stopped:
+            text += gen.stop_matcher.flush()
+        return text, stopped
+
+    def _emit(self, gen: Generation, output: RequestOutput) -> None:
+        output.num_prompt_tokens = gen.request.num_prompt_tokens
+        output.num_output_tokens = len(gen.output_ids)
+        try:
+            gen.on_output(output)
+        except Exception:  # a consumer's failure must not stop the engine
+            log.exception("on_output for %s failed", gen.request.request_id)
+
+    def _finish(self, request_id: str, reason: str, emit: bool, error: str | None = None) -> None:
+        gen = self.generations.pop(request_id, None)
+        if gen is None or gen.finished:
+            return
+        gen.finished = True
+        if reason in ("abort", "error"):
+            self.scheduler.abort(request_id)
+        else:
+            self.scheduler.finish(request_id, reason)
+        if emit:
+            self._emit(gen, RequestOutput(request_id, [], "", None, finish_reason=reason, error=error))
+
+    # ---- running ---------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        with self._lock:
+            pending = bool(self._inbox or self._aborts)
+        return pending or self.scheduler.has_work() or self._in_flight is not None
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not (self._inbox or self._aborts) and not self._busy():
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            self.step()
+        self._drain_in_flight()
+
+    def _busy(self) -> bool:
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    def _drain_in_flight(self) -> None:
+        if self._in_flight is not None:
+            handle, self._in_flight = self._in_flight, None
+            self._process(handle)
+
+    def shutdown(self) -> None:
+        """Stop the loop; the step in flight is drained (waited for and delivered) first."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for request_id in list(self.generations):
+            self._finish(request_id, "abort", emit=True, error="engine shut down")

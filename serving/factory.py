@@ -1,0 +1,119 @@
+"""Engine construction: validated engine flags, pool sizes from a memory budget, the persistent
+compilation cache, and ahead-of-time compilation of every bucket."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import jax
+from qwen35_jax.serving.engine import Engine
+from qwen35_jax.serving.runner import Buckets, Runner
+from qwen35_jax.serving.scheduler import Scheduler, SchedulerConfig
+
+from qwen35_jax.cache import CacheSpec, bytes_per_page, bytes_per_slot
+from qwen35_jax.config import Qwen35Config
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPILE_CACHE = Path(
+    os.environ.get("QWEN35_JAX_COMPILE_CACHE", Path.home() / ".cache" / "qwen35_jax" / "xla")
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 16
+    max_prefill_tokens: int = 1024
+    max_prefill_chunks: int = 1
+    max_model_len: int = 8192
+    page_size: int = 16
+    gpu_memory_fraction: float = 0.85
+    num_pages: int | None = None  # explicit KV pool size (CPU); on GPU it comes from the memory fraction
+    scheduler_policy: str = "off"
+    decode_overlap: str = "off"
+    num_top_logprobs: int = 20
+    compile_cache: str | None = str(DEFAULT_COMPILE_CACHE)
+
+    def __post_init__(self):
+        checks = [
+            (self.max_batch >= 1, f"--max-batch must be >= 1, got {self.max_batch}"),
+            (self.max_prefill_tokens >= 16, f"--max-prefill-tokens must be >= 16, got {self.max_prefill_tokens}"),
+            (self.max_model_len >= 2, f"--max-model-len must be >= 2, got {self.max_model_len}"),
+            (self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}"),
+            (0.0 < self.gpu_memory_fraction <= 1.0,
+             f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}"),
+            (self.num_pages is None or self.num_pages >= 2, f"--num-pages must be >= 2, got {self.num_pages}"),
+            (self.scheduler_policy in ("off", "auto"), f"--scheduler-policy must be off|auto, got {self.scheduler_policy!r}"),
+            (self.decode_overlap in ("off", "stream"), f"--decode-overlap must be off|stream, got {self.decode_overlap!r}"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.decode_overlap == "stream":
+            raise ValueError(
+                "--decode-overlap stream is not implemented yet (the unified step runs both sides on one "
+                "stream); use --decode-overlap off"
+            )
+
+
+def enable_compile_cache(path: str | None) -> None:
+    if not path:
+        return
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _device_free_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def cache_spec(
+    cfg: Qwen35Config, dtype, config: EngineConfig, activation_reserve: int = 2 << 30
+) -> CacheSpec:
+    """Slots: one per decode row plus the trash slot. Pages: explicit, or what the memory budget allows."""
+    num_slots = config.max_batch + 1
+    if config.num_pages is not None:
+        return CacheSpec(config.num_pages, config.page_size, num_slots)
+    free = _device_free_bytes()
+    if free is None:  # CPU: enough for every slot to hold a full-length sequence
+        pages = config.max_batch * -(-config.max_model_len // config.page_size) + 1
+        return CacheSpec(pages, config.page_size, num_slots)
+    budget = (
+        int(free * config.gpu_memory_fraction) - activation_reserve - num_slots * bytes_per_slot(cfg, dtype)
+    )
+    pages = budget // bytes_per_page(cfg, config.page_size, dtype)
+    if pages < 2:
+        raise ValueError(f"no room for the KV pool: {budget} bytes left for it; lower --max-batch")
+    return CacheSpec(int(pages), config.page_size, num_slots)
+
+
+def build_engine(model, config: EngineConfig, compile_now: bool = True, progress=None) -> Engine:
+    """model: a qwen35_jax.api.LoadedModel."""
+    enable_compile_cache(config.compile_cache)
+    spec = cache_spec(model.config, model.dtype, config)
+    log.info(
+        "caches: %d KV pages of %d tokens (%.2f GiB), %d GDN slots (%.2f GiB)",
+        spec.num_pages, spec.page_size, spec.num_pages * bytes_per_page(model.config, spec.page_size, model.dtype) / 2**30,
+        spec.num_slots, spec.num_slots * bytes_per_slot(model.config, model.dtype) / 2**30,
+    )  # fmt: skip
+    buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks)
+    runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
+                    config.num_top_logprobs)  # fmt: skip
+    scheduler = Scheduler(SchedulerConfig(
+        max_batch=config.max_batch, max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,
+        num_pages=spec.num_pages, num_slots=spec.num_slots, max_model_len=config.max_model_len,
+        policy=config.scheduler_policy, decode_overlap=config.decode_overlap,
+        max_prefill_chunks=config.max_prefill_chunks,
+    ))  # fmt: skip
+    if compile_now:
+        seconds = runner.compile_all(progress)
+        log.info("compiled %d step programs in %.1fs", runner.num_compiles, seconds)
+    return Engine(runner, scheduler, model.tokenizer, model.config.eos_token_ids)

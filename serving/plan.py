@@ -1,0 +1,140 @@
+"""The scheduler-to-runner contract: one `StepPlan` per step, plus the host-side `Request` state.
+
+A plan is considered launched the moment `Scheduler.schedule()` returns it: the scheduler has already
+advanced every counter as if the step ran. The runner turns a plan into padded bucket inputs:
+decode rows and prefill chunks are padded with rows that point at the trash slot
+(`SlotPool.trash_slot`) and the trash page (`pools.TRASH_PAGE`).
+
+Token positions are 0-based indices into the request's sequence `prompt_ids + output_ids`, which is
+also the index of the KV entry the token writes: position p lives in `page_ids[p // page_size]` at
+offset `p % page_size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+PREFILL = "prefill"
+DECODE = "decode"
+UNIFIED = "unified"
+IDLE = "idle"
+STEP_ACTIONS = (PREFILL, DECODE, UNIFIED, IDLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+    """Feed one token of a request whose prompt is fully prefilled, and sample the next one.
+
+    The fed token is not in the plan: it is the token the previous step sampled for this request. It
+    stays on the device (the host reads it one step late), and the runner gathers it from the previous
+    step's sampled tokens by request id.
+    """
+
+    request_id: str
+    # GDN state slot: the recurrent and conv states are read from and written back to it.
+    slot: int
+    # Index of the fed token in the sequence = tokens already in the KV cache. Its K/V are written here.
+    position: int
+    # The request's whole page table, reserved at admission; pages past `position` are still unused.
+    page_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Feed prompt tokens `[start, start + len(token_ids))` of one request into its caches."""
+
+    request_id: str
+    # GDN state slot. When `start == 0` the slot may hold a previous owner's state: start from zeros.
+    slot: int
+    # Position of `token_ids[0]`; the caches already hold positions `[0, start)` of this request.
+    start: int
+    # The prompt tokens of this chunk, in order.
+    token_ids: tuple[int, ...]
+    # The request's whole page table, reserved at admission.
+    page_ids: tuple[int, ...]
+    # This chunk completes the prompt: sample the first output token from its last position's logits.
+    is_last: bool
+
+    @property
+    def end(self) -> int:
+        """One past the position of the chunk's last token."""
+        return self.start + len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything the runner needs for one step. Decode rows and chunks are in admission order."""
+
+    # Increases by one on every `schedule()` call, idle steps included.
+    step_id: int
+    # One row per request that decodes in this step.
+    decode: tuple[DecodeRow, ...]
+    # Prompt chunks to prefill in this step (at most `max_prefill_chunks`, one per request).
+    prefill: tuple[PrefillChunk, ...]
+    # "prefill" (chunks only), "decode" (rows only), "unified" (both in one step) or "idle" (nothing).
+    action: str
+    # Prefill token budget the policy granted this step; `num_prefill_tokens <= budget`.
+    budget: int
+
+    def __post_init__(self):
+        assert self.action in STEP_ACTIONS, self.action
+        assert self.num_prefill_tokens <= self.budget
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.prefill)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return len(self.decode)
+
+
+class RequestStatus(enum.StrEnum):
+    WAITING = "waiting"  # queued, holds no slot and no page
+    PREFILLING = "prefilling"  # admitted: holds its slot and all its pages, prompt not fully fed
+    DECODING = "decoding"  # prompt fully fed; decodes until `remaining_tokens == 0` or finished
+    FINISHED = "finished"  # finished or aborted; its slot and pages are back in the pools
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """Host-side state of one generation request. The scheduler owns and mutates it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    # Output tokens to sample at most (the length limit).
+    max_tokens: int
+    # Prompt tokens already fed into the caches (counted when the chunk's step is launched).
+    num_computed_tokens: int = 0
+    # Output tokens sampled so far, counted when the step that samples them is launched: the host
+    # learns their values one step later.
+    num_output_tokens: int = 0
+    # GDN state slot, from admission until finish; None while waiting or after finish.
+    slot: int | None = None
+    # KV pages for the whole lifetime (prompt + max_tokens), allocated at admission.
+    page_ids: tuple[int, ...] = ()
+    status: RequestStatus = RequestStatus.WAITING
+    # Set by `Scheduler.finish`: "stop", "length", "abort", ... as the engine reports it.
+    finish_reason: str | None = None
+    # `step_id` of the next plan at the time the request was added: queueing delay is in steps.
+    arrival_step: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def remaining_prompt(self) -> int:
+        """Prompt tokens not yet fed into the caches."""
+        return self.num_prompt_tokens - self.num_computed_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens still to be sampled before the length limit."""
+        return self.max_tokens - self.num_output_tokens
+
+    @property
+    def total_reserved_tokens(self) -> int:
+        """Tokens the KV reservation covers. The last sampled token is never fed, so one is spare."""
+        return self.num_prompt_tokens + self.max_tokens

@@ -1,0 +1,227 @@
+"""The runner: turns a StepPlan into padded bucket inputs and launches the compiled step, without waiting.
+
+One compiled program per bucket key (decode rows B, prefill rows P, chunk tokens T); B = 0 or P = 0 drops
+that side, so decode-only, prefill-only and unified steps come from the same model code. Every program is
+compiled ahead of serving (`compile_all`) and each compile is logged and counted, so a test can assert
+that serving compiled nothing new.
+
+Sampled tokens stay on the device: the step writes each row's token into `token_state[slot]`, and the
+next step's decode rows read their input token from there. The host reads the step's outputs one step
+late (`StepHandle.fetch`), after it has launched the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from qwen35_jax.kernels import Mixers
+from qwen35_jax.serving.device_sampling import SamplingRows, sample
+from qwen35_jax.serving.plan import StepPlan
+from qwen35_jax.serving.pools import TRASH_PAGE
+
+from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
+from qwen35_jax.cache import CacheSpec, new_cache
+from qwen35_jax.model import ModelDef, forward
+
+log = logging.getLogger(__name__)
+
+
+def power_of_two_buckets(largest: int, smallest: int = 1) -> tuple[int, ...]:
+    buckets, size = [], smallest
+    while size < largest:
+        buckets.append(size)
+        size *= 2
+    return (*buckets, largest)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    for size in buckets:
+        if n <= size:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    decode: tuple[int, ...]  # decode rows per step
+    prefill_rows: tuple[int, ...]  # prefill chunks per step
+    chunk: tuple[int, ...]  # tokens per prefill chunk
+
+    @classmethod
+    def for_limits(cls, max_batch: int, max_prefill_tokens: int, max_prefill_chunks: int) -> Buckets:
+        return cls(
+            decode=power_of_two_buckets(max_batch),
+            prefill_rows=power_of_two_buckets(max_prefill_chunks),
+            chunk=power_of_two_buckets(max_prefill_tokens, smallest=min(16, max_prefill_tokens)),
+        )
+
+    def keys(self) -> list[tuple[int, int, int]]:
+        """Every (B, P, T) program: decode-only, prefill-only and unified."""
+        decode = [(b, 0, 0) for b in self.decode]
+        prefill = [(0, p, t) for p in self.prefill_rows for t in self.chunk]
+        unified = [(b, p, t) for b in self.decode for p in self.prefill_rows for t in self.chunk]
+        return decode + prefill + unified
+
+    def key_for(self, plan: StepPlan) -> tuple[int, int, int]:
+        b = bucket_for(plan.num_decode_rows, self.decode) if plan.decode else 0
+        if not plan.prefill:
+            return b, 0, 0
+        longest = max(len(c.token_ids) for c in plan.prefill)
+        return b, bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, self.chunk)
+
+
+def engine_step(model: ModelDef, mixer_set: Mixers, num_top: int, params, cache, token_state, inputs, rows):
+    """forward + per-row sampling; decode tokens come from token_state, sampled tokens go back into it."""
+    slots = []
+    if inputs.decode is not None:
+        inputs = dataclasses.replace(
+            inputs, decode=dataclasses.replace(inputs.decode, tokens=token_state[inputs.decode.slots])
+        )
+        slots.append(inputs.decode.slots)
+    if inputs.prefill is not None:
+        slots.append(inputs.prefill.slots)
+    logits, cache = forward(model, params, cache, inputs, mixer_set)
+    tokens, chosen, top_ids, top_lp = sample(logits, rows, num_top)
+    token_state = token_state.at[jnp.concatenate(slots)].set(tokens)
+    return cache, token_state, (tokens, chosen, top_ids, top_lp)
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A launched step: its plan and its device outputs, read by the host one step later."""
+
+    plan: StepPlan
+    key: tuple[int, int, int]  # the bucket (B, P, T): prefill rows' outputs start at index B
+    outputs: tuple
+    launched_at: float
+
+    def output_rows(self):
+        """(output row index, plan row) for every decode row and prefill chunk of the plan."""
+        yield from enumerate(self.plan.decode)
+        yield from ((self.key[0] + j, chunk) for j, chunk in enumerate(self.plan.prefill))
+
+    def fetch(self) -> tuple[np.ndarray, ...]:
+        """Blocks until the step is done; (tokens [R], logprob [R], top ids [R, N], top logprobs [R, N])."""
+        return tuple(np.asarray(x) for x in self.outputs)
+
+
+class Runner:
+    def __init__(self, model_def: ModelDef, params, mixer_set: Mixers, spec: CacheSpec, buckets: Buckets,
+                 max_model_len: int, num_top_logprobs: int = 20):  # fmt: skip
+        self.model_def, self.params, self.mixers = model_def, params, mixer_set
+        self.spec, self.buckets = spec, buckets
+        self.page_table_width = -(-max_model_len // spec.page_size)
+        self.num_top = num_top_logprobs
+        self.trash_slot = spec.num_slots - 1
+        self.cache = new_cache(model_def.cfg, spec, model_def.dtype)
+        self.token_state = jnp.zeros(spec.num_slots, jnp.int32)
+        self.executables: dict[tuple[int, int, int], object] = {}
+        self.compile_seconds: dict[tuple[int, int, int], float] = {}
+        self._jitted = jax.jit(
+            partial(engine_step, model_def, mixer_set, num_top_logprobs), donate_argnums=(1, 2)
+        )
+
+    @property
+    def num_compiles(self) -> int:
+        return len(self.compile_seconds)
+
+    # ---- inputs ------------------------------------------------------------------------------------------
+    def _page_table(self, rows: list[tuple[int, ...]], pad_to: int) -> np.ndarray:
+        table = np.full((pad_to, self.page_table_width), TRASH_PAGE, np.int32)
+        for i, pages in enumerate(rows):
+            table[i, : len(pages)] = pages
+        return table
+
+    def _decode_side(self, plan: StepPlan, size: int) -> DecodeSide:
+        rows = plan.decode
+        slots = np.full(size, self.trash_slot, np.int32)
+        positions = np.zeros(size, np.int32)
+        slots[: len(rows)] = [r.slot for r in rows]
+        positions[: len(rows)] = [r.position for r in rows]
+        page_table = self._page_table([r.page_ids for r in rows], size)
+        return DecodeSide(
+            tokens=np.zeros(size, np.int32), positions=positions, slots=slots, page_table=page_table
+        )
+
+    def _prefill_side(self, plan: StepPlan, num_rows: int, chunk: int) -> PrefillSide:
+        tokens = np.zeros((num_rows, chunk), np.int32)
+        start, lengths = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
+        slots = np.full(num_rows, self.trash_slot, np.int32)
+        for i, c in enumerate(plan.prefill):
+            tokens[i, : len(c.token_ids)] = c.token_ids
+            start[i], lengths[i], slots[i] = c.start, len(c.token_ids), c.slot
+        page_table = self._page_table([c.page_ids for c in plan.prefill], num_rows)
+        return PrefillSide(tokens=tokens, start=start, lengths=lengths, slots=slots, page_table=page_table)
+
+    def inputs_for(self, plan: StepPlan, key) -> StepInputs:
+        b, p, t = key
+        decode = self._decode_side(plan, b) if b else None
+        prefill = self._prefill_side(plan, p, t) if p else None
+        return StepInputs(decode=decode, prefill=prefill)
+
+    # ---- compile -----------------------------------------------------------------------------------------
+    def _abstract_inputs(self, key) -> tuple[StepInputs, SamplingRows]:
+        b, p, t = key
+        w = self.page_table_width
+        i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+        decode = DecodeSide(i32((b,)), i32((b,)), i32((b,)), i32((b, w))) if b else None
+        prefill = PrefillSide(i32((p, t)), i32((p,)), i32((p,)), i32((p,)), i32((p, w))) if p else None
+        r = b + p
+        f32 = partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+        rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)),
+                            jax.ShapeDtypeStruct((r,), jnp.uint32), i32((r,)))  # fmt: skip
+        return StepInputs(decode, prefill), rows
+
+    def compile(self, key) -> object:
+        start = time.perf_counter()
+        inputs, rows = self._abstract_inputs(key)
+        lowered = self._jitted.lower(self.params, self.cache, self.token_state, inputs, rows)
+        self.executables[key] = lowered.compile()
+        self.compile_seconds[key] = time.perf_counter() - start
+        log.info("compiled step B=%d P=%d T=%d in %.2fs", *key, self.compile_seconds[key])
+        return self.executables[key]
+
+    def compile_all(self, progress=None) -> float:
+        keys = self.buckets.keys()
+        for key in keys if progress is None else progress(keys):
+            if key not in self.executables:
+                self.compile(key)
+        return sum(self.compile_seconds.values())
+
+    # ---- launch ------------------------------------------------------------------------------------------
+    def launch(self, plan: StepPlan, sampling: list) -> StepHandle:
+        """Dispatch one step; returns at once. `sampling` has one entry per decode row, then per chunk."""
+        key = self.buckets.key_for(plan)
+        executable = self.executables.get(key) or self.compile(key)
+        inputs = self.inputs_for(plan, key)
+        rows = SamplingRows.from_rows(
+            sampling[: len(plan.decode)], key[0]
+        ) if key[0] else None  # fmt: skip
+        rows = _concat_rows(
+            rows, SamplingRows.from_rows(sampling[len(plan.decode) :], key[1]) if key[1] else None
+        )
+        self.cache, self.token_state, outputs = executable(
+            self.params, self.cache, self.token_state, inputs, rows
+        )
+        return StepHandle(plan, key, outputs, time.perf_counter())
+
+    def cache_lost(self) -> bool:
+        """True when a failed step consumed the donated caches."""
+        return any(x.is_deleted() for x in (self.cache.k_pages, self.cache.ssm, self.token_state))
+
+    def reset_cache(self) -> None:
+        """After a failed step the donated buffers may be gone: start from fresh caches."""
+        self.cache = new_cache(self.model_def.cfg, self.spec, self.model_def.dtype)
+        self.token_state = jnp.zeros(self.spec.num_slots, jnp.int32)
+
+
+def _concat_rows(a: SamplingRows | None, b: SamplingRows | None) -> SamplingRows:
+    if a is None or b is None:
+        return a if b is None else b
+    return jax.tree.map(lambda x, y: np.concatenate([x, y]), a, b)

@@ -1,0 +1,294 @@
+"""Host-only continuous-batching scheduler: FCFS admission with full reservation, chunked prefill under a
+per-step token budget, and one decode row per running request that still has tokens to sample.
+
+One `schedule()` call is one step: admit -> decode rows -> choose the prefill budget -> take prompt
+chunks -> return the plan. The plan counts as launched when it is returned, so every counter has
+already moved as if the step ran; the device never waits on the host to confirm.
+
+Contract with the engine (it reads sampled tokens one step late):
+- `finish(request_id, reason)` when it reads EOS / a stop string / the length limit. A request whose
+  `remaining_tokens` reached 0 at schedule time gets no more decode rows but keeps its slot and pages
+  until that call, because its last token has not been read yet.
+- `abort(request_id)` when the client goes away, in any state.
+- Both free the slot and pages at once, and the very next plan may hand them to another request,
+  although the step in flight may still write them (`finish` usually retires a request that also has
+  a row in that step). That is safe because the device runs steps in launch order, one compiled
+  program at a time: the new owner's writes land after the old owner's. So the engine needs no drain
+  for the caches; it calls these between `schedule()` calls and drops tokens that arrive for requests
+  it has retired. A runner that let two steps run at once would have to drain before calling them.
+- A `PrefillChunk` with `start == 0` may land on a slot that a finished request left dirty: the runner
+  starts such a chunk from zero GDN state instead of reading the slot.
+
+No jax import: this module must stay testable with no device.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from .plan import (
+    DECODE,
+    IDLE,
+    PREFILL,
+    UNIFIED,
+    DecodeRow,
+    PrefillChunk,
+    Request,
+    RequestStatus,
+    StepPlan,
+)
+from .pools import PagePool, SlotPool, pages_needed
+
+POLICIES = ("off", "auto")
+DECODE_OVERLAPS = ("off", "stream")
+
+
+class RequestRejected(ValueError):
+    """The request can never be served with this configuration, however long it waits."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    # Most requests running at once (prefilling + decoding); also the largest decode batch.
+    max_batch: int
+    # Prompt tokens prefilled per step at most (`--max-prefill-tokens`).
+    max_prefill_tokens: int = 1024
+    # Tokens per KV page.
+    page_size: int
+    # KV pages in the device pool, trash page 0 included.
+    num_pages: int
+    # GDN state slots in the device pool, trash slot `num_slots - 1` included.
+    num_slots: int
+    # Longest sequence (prompt + max_tokens) a request may reserve.
+    max_model_len: int
+    # Prefill budget policy: "off" grants `max_prefill_tokens` every step; "auto" is adaptive.
+    policy: str = "off"
+    # "stream" when the runner overlaps the prefill chunk with decode on separate streams.
+    decode_overlap: str = "off"
+    # Requests that may each get a prompt chunk in one step.
+    max_prefill_chunks: int = 1
+    # `auto`: a decoder with this many tokens left or fewer makes the step decode-only.
+    finishing_window: int = 4
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_prefill_tokens", "page_size", "max_model_len", "max_prefill_chunks"):
+            _require_int(self, name, minimum=1)
+        _require_int(self, "num_pages", minimum=2, why="page 0 is the trash page")
+        _require_int(self, "num_slots", minimum=2, why="the last slot is the trash slot")
+        _require_int(self, "finishing_window", minimum=0)
+        _require_choice(self, "policy", POLICIES)
+        _require_choice(self, "decode_overlap", DECODE_OVERLAPS)
+        if self.num_slots - 1 < self.max_batch:
+            raise ValueError(
+                f"num_slots ({self.num_slots}) must be at least max_batch + 1 ({self.max_batch + 1}): "
+                "every running request needs a GDN slot, and the last slot is the trash slot"
+            )
+
+
+def _require_int(config: SchedulerConfig, name: str, minimum: int, why: str = "") -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        reason = f" ({why})" if why else ""
+        raise ValueError(f"{name} must be an integer >= {minimum}{reason}, got {value!r}")
+
+
+def _require_choice(config: SchedulerConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.page_pool = PagePool(config.num_pages, config.page_size)
+        self.slot_pool = SlotPool(config.num_slots)
+        self.waiting: collections.deque[Request] = collections.deque()
+        # Admitted requests in admission order (dicts keep insertion order): the order of rows and chunks.
+        self.running: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # waiting and running, by id
+        self._next_step_id = 0
+
+    # ---- requests in and out -----------------------------------------------------------------------
+
+    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise `RequestRejected` when a request could never be admitted, however long it waited."""
+        if prompt_len == 0:
+            raise RequestRejected("the prompt is empty: at least one prompt token is needed")
+        if max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}")
+        total = prompt_len + max_tokens
+        if total > self.config.max_model_len:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the "
+                f"maximum model length of {self.config.max_model_len} tokens"
+            )
+        pages = pages_needed(total, self.config.page_size)
+        if pages > self.page_pool.num_total:
+            raise RequestRejected(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {pages} KV pages of "
+                f"{self.config.page_size} tokens, but the whole KV cache holds {self.page_pool.num_total}"
+            )
+
+    def add(self, request: Request) -> None:
+        """Queue a request behind every earlier one (FCFS)."""
+        self.check_request(request.num_prompt_tokens, request.max_tokens)
+        if request.request_id in self._requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+        request.arrival_step = self._next_step_id
+        self.waiting.append(request)
+        self._requests[request.request_id] = request
+
+    def finish(self, request_id: str, reason: str) -> bool:
+        """Retire a request in any state, freeing its slot and pages now. False if the id is unknown."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request in any state; its resources go back at once (see the module docstring)."""
+        return self.finish(request_id, "abort")
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step and mark it launched."""
+        self._admit_waiting()
+        # Decoders are picked before any chunk launches: a prompt finished in this step has its first
+        # token sampled by this step, so it can only be fed in the next one.
+        decoders = [r for r in self.running.values() if r.remaining_prompt == 0 and r.remaining_tokens > 0]
+        budget = self._prefill_budget(decoders)
+        decode = tuple(self._launch_decode(request) for request in decoders)
+        prefill = tuple(self._launch_chunks(budget))
+        plan = StepPlan(self._next_step_id, decode, prefill, step_action(decode, prefill), budget)
+        self._next_step_id += 1
+        return plan
+
+    def _admit_waiting(self) -> None:
+        # Head-of-line blocking: skipping the front for a smaller request could starve a long one.
+        while self.waiting and self._can_admit(self.waiting[0]):
+            self._admit(self.waiting.popleft())
+
+    def _can_admit(self, request: Request) -> bool:
+        return (
+            len(self.running) < self.config.max_batch
+            and self.slot_pool.can_allocate()
+            and self.page_pool.can_allocate(self._pages_reserved(request))
+        )
+
+    def _admit(self, request: Request) -> None:
+        # Every page the request can ever need is taken now, so decode never runs out and nothing
+        # is ever preempted.
+        request.slot = self.slot_pool.allocate()
+        request.page_ids = tuple(self.page_pool.allocate(self._pages_reserved(request)))
+        request.status = RequestStatus.PREFILLING
+        self.running[request.request_id] = request
+
+    def _pages_reserved(self, request: Request) -> int:
+        return pages_needed(request.total_reserved_tokens, self.config.page_size)
+
+    def _release(self, request: Request) -> None:
+        del self.running[request.request_id]
+        self.slot_pool.free(request.slot)
+        self.page_pool.free(request.page_ids)
+        request.slot = None
+        request.page_ids = ()
+
+    def _prefill_budget(self, decoders: list[Request]) -> int:
+        """Prompt tokens this step may prefill. `auto` follows pegainfer's adaptive budget."""
+        cap = self.config.max_prefill_tokens
+        front = self._prefill_front()
+        # With nothing decoding there is no inter-token latency to protect: take the whole cap.
+        if self.config.policy == "off" or front is None or not decoders:
+            return cap
+        # Decode-priority tick: requests about to finish get their last tokens from cheap steps. With
+        # stream overlap the chunk runs beside decode, so deferring it would only delay prefill.
+        window = self.config.finishing_window
+        if self.config.decode_overlap == "off" and any(r.remaining_tokens <= window for r in decoders):
+            return 0
+        # Only the FIFO front's remainder, so a decode step is never inflated by packing later prompts.
+        return min(front.remaining_prompt, cap)
+
+    def _prefill_front(self) -> Request | None:
+        return next((r for r in self.running.values() if r.remaining_prompt > 0), None)
+
+    def _launch_decode(self, request: Request) -> DecodeRow:
+        # The fed token is the last one sampled; the tokens before it are all in the KV cache.
+        position = request.num_prompt_tokens + request.num_output_tokens - 1
+        row = DecodeRow(request.request_id, request.slot, position, request.page_ids)
+        request.num_output_tokens += 1
+        return row
+
+    def _launch_chunks(self, budget: int) -> list[PrefillChunk]:
+        chunks = []
+        for request in self.running.values():
+            if budget == 0 or len(chunks) == self.config.max_prefill_chunks:
+                break
+            if request.remaining_prompt > 0:
+                chunks.append(self._launch_chunk(request, min(request.remaining_prompt, budget)))
+                budget -= len(chunks[-1].token_ids)
+        return chunks
+
+    def _launch_chunk(self, request: Request, length: int) -> PrefillChunk:
+        start = request.num_computed_tokens
+        end = start + length
+        is_last = end == request.num_prompt_tokens
+        token_ids = tuple(request.prompt_ids[start:end])
+        chunk = PrefillChunk(request.request_id, request.slot, start, token_ids, request.page_ids, is_last)
+        request.num_computed_tokens = end
+        if is_last:
+            request.num_output_tokens += 1  # this step samples the first output token
+            request.status = RequestStatus.DECODING
+        return chunk
+
+    # ---- introspection -----------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        """True while any request is waiting or holds a slot (including those awaiting `finish`)."""
+        return bool(self.waiting or self.running)
+
+    def page_usage(self) -> float:
+        """Fraction of allocatable KV pages held by requests."""
+        return 1.0 - self.page_pool.num_free / self.page_pool.num_total
+
+    def slot_usage(self) -> float:
+        """Fraction of allocatable GDN slots held by requests."""
+        return 1.0 - self.slot_pool.num_free / self.slot_pool.num_total
+
+    def trace(self, plan: StepPlan) -> str:
+        """`trace(plan)` followed by the queue and cache state after the plan was taken."""
+        state = f"running={self.num_running} waiting={self.num_waiting}"
+        return f"{trace(plan)} {state} kv_use={self.page_usage():.3f} slot_use={self.slot_usage():.3f}"
+
+
+def step_action(decode: tuple[DecodeRow, ...], prefill: tuple[PrefillChunk, ...]) -> str:
+    if decode and prefill:
+        return UNIFIED
+    if prefill:
+        return PREFILL
+    return DECODE if decode else IDLE
+
+
+def trace(plan: StepPlan) -> str:
+    """One `ITL_STEP` log line for a plan; the field names are those of pegainfer's `ITL_STEP` lines."""
+    return (
+        f"ITL_STEP step={plan.step_id} plan={plan.action} decode_n={plan.num_decode_rows} "
+        f"prefill_tok={plan.num_prefill_tokens} prefill_reqs={len(plan.prefill)} budget={plan.budget}"
+    )
