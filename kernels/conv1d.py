@@ -22,9 +22,7 @@ from jax import lax
 def _conv_silu(window: jax.Array, weight: jax.Array, out_len: int) -> jax.Array:
     """window [rows, K-1+T, C] -> silu(conv) [rows, T, C]."""
     taps = weight.shape[1]
-    acc = sum(
-        window[:, j : j + out_len].astype(jnp.float32) * weight[:, j].astype(jnp.float32) for j in range(taps)
-    )
+    acc = sum(window[:, j : j + out_len].astype(jnp.float32) * weight[:, j].astype(jnp.float32) for j in range(taps))
     acc = acc.astype(window.dtype).astype(jnp.float32)
     return jax.nn.silu(acc).astype(window.dtype)
 

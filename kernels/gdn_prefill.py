@@ -51,9 +51,7 @@ def _chunk_scan(q, k, v, g, beta, state):
     k_beta = k * beta[..., None]
     system = jnp.einsum("phncd,phnkd->phnck", k_beta, k) * decay
     system = jnp.where(jnp.eye(size, dtype=bool), 1.0, jnp.where(lower, system, 0.0))
-    new_values = jax.scipy.linalg.solve_triangular(
-        system, v * beta[..., None], lower=True, unit_diagonal=True
-    )
+    new_values = jax.scipy.linalg.solve_triangular(system, v * beta[..., None], lower=True, unit_diagonal=True)
     k_cumdecay = jax.scipy.linalg.solve_triangular(
         system, k_beta * jnp.exp(gamma)[..., None], lower=True, unit_diagonal=True
     )
@@ -69,9 +67,7 @@ def _chunk_scan(q, k, v, g, beta, state):
         state = state * cd + jnp.einsum("phcd,phce->phde", kd, v_new)
         return state, out
 
-    xs = tuple(
-        jnp.moveaxis(x, 2, 0) for x in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay)
-    )
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (new_values, k_cumdecay, q_decayed, k_decayed, intra, chunk_decay))
     state, out = lax.scan(step, state, xs)
     return jnp.moveaxis(out, 0, 2), state
 
@@ -92,8 +88,6 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state_pool, layer, slots, lengths,
         return x.reshape(x.shape[:2] + (n, CHUNK) + x.shape[3:])
 
     state = jnp.where(fresh[:, None, None, None], 0.0, state_pool[layer, slots])
-    out, state = _chunk_scan(
-        chunked(q), chunked(k), chunked(v.astype(jnp.float32)), chunked(g), chunked(beta), state
-    )
+    out, state = _chunk_scan(chunked(q), chunked(k), chunked(v.astype(jnp.float32)), chunked(g), chunked(beta), state)
     out = jnp.moveaxis(out.reshape(num_rows, num_heads, n * CHUNK, dv), 1, 2)[:, :seq]
     return out.astype(v.dtype), state_pool.at[layer, slots].set(state)

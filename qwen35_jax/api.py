@@ -39,12 +39,8 @@ def default_kernels() -> str:
     return "ref"  # the Pallas set becomes the GPU default once it exists (kernels/__init__.py)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("model", "mixer_set", "all_prefill_logits"), donate_argnames=("cache",)
-)
-def step(
-    model: ModelDef, params, cache, inputs: StepInputs, mixer_set: Mixers, all_prefill_logits: bool = False
-):
+@functools.partial(jax.jit, static_argnames=("model", "mixer_set", "all_prefill_logits"), donate_argnames=("cache",))
+def step(model: ModelDef, params, cache, inputs: StepInputs, mixer_set: Mixers, all_prefill_logits: bool = False):
     """The one compiled step: jit specialises it per (bucket shapes, side presence, logits mode)."""
     return forward(model, params, cache, inputs, mixer_set, all_prefill_logits)
 
@@ -54,9 +50,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class LoadedModel:
-    def __init__(
-        self, cfg: Qwen35Config, params, dtype, tokenizer=None, kernels: str = "ref", page_size: int = 16
-    ):
+    def __init__(self, cfg: Qwen35Config, params, dtype, tokenizer=None, kernels: str = "ref", page_size: int = 16):
         self.config = cfg
         self.params = params
         self.dtype = dtype
@@ -133,17 +127,13 @@ def _load_tokenizer(folder: Path):
 
 def load_params(folder: Path, cfg: Qwen35Config, dtype):
     start = time.perf_counter()
-    params = (
-        load_orbax(folder, cfg, dtype) if is_orbax_folder(folder) else load_safetensors(folder, cfg, dtype)
-    )
+    params = load_orbax(folder, cfg, dtype) if is_orbax_folder(folder) else load_safetensors(folder, cfg, dtype)
     jax.block_until_ready(params)
     log.info("loaded weights from %s in %.2fs", folder, time.perf_counter() - start)
     return params
 
 
-def load_model(
-    path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str | None = None, seed: int = 0
-):
+def load_model(path_or_preset: str | Path, dtype: str = "bfloat16", kernels: str | None = None, seed: int = 0):
     """A preset name (tiny, 0.8b, 4b, 9b, 27b: seeded random weights) or an HF / converted model folder."""
     jdtype = resolve_dtype(dtype)
     kernels = kernels or default_kernels()
@@ -155,8 +145,6 @@ def load_model(
         return LoadedModel(cfg, random_params(cfg, jdtype, seed), jdtype, tokenizer, kernels)
     folder = Path(name)
     if not folder.is_dir():
-        raise FileNotFoundError(
-            f"model folder {folder} does not exist (and is not a preset: {', '.join(PRESETS)})"
-        )
+        raise FileNotFoundError(f"model folder {folder} does not exist (and is not a preset: {', '.join(PRESETS)})")
     cfg = load_config(folder)
     return LoadedModel(cfg, load_params(folder, cfg, jdtype), jdtype, _load_tokenizer(folder), kernels)

@@ -102,9 +102,7 @@ def run_generate(args) -> None:
                          top_p=args.top_p, seed=args.seed)  # fmt: skip
     elapsed = time.perf_counter() - start
     text = model.tokenizer.decode(out) if model.tokenizer else None
-    print(
-        json.dumps({"prompt_tokens": len(ids), "output_ids": out, "text": text, "seconds": round(elapsed, 3)})
-    )
+    print(json.dumps({"prompt_tokens": len(ids), "output_ids": out, "text": text, "seconds": round(elapsed, 3)}))
 
 
 def run_convert(args) -> None:

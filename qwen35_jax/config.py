@@ -107,9 +107,7 @@ class Qwen35Config:
             raise UnsupportedModelError("a model without full-attention layers is not supported")
         period = self.layer_types.index(FULL) + 1
         pattern = (LINEAR,) * (period - 1) + (FULL,)
-        if self.num_hidden_layers % period or self.layer_types != pattern * (
-            self.num_hidden_layers // period
-        ):
+        if self.num_hidden_layers % period or self.layer_types != pattern * (self.num_hidden_layers // period):
             raise UnsupportedModelError(
                 "layer_types must repeat one group of linear layers followed by one full-attention layer "
                 f"(the layers run as a scan over groups); got {list(self.layer_types)}"

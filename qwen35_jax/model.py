@@ -149,13 +149,9 @@ class GatedDeltaNet(nnx.Module):
     def _prefill(self, ctx, cache, layer, mixed, g, beta):
         side = ctx.inputs.prefill
         weight = self.conv1d.weight[...][:, 0, :]
-        mixed, conv = ctx.mixers.conv_prefill(
-            mixed, weight, cache.conv, layer, side.slots, side.lengths, side.fresh
-        )
+        mixed, conv = ctx.mixers.conv_prefill(mixed, weight, cache.conv, layer, side.slots, side.lengths, side.fresh)
         q, k, v = self._split_qkv(mixed)
-        out, ssm = ctx.mixers.gdn_prefill(
-            q, k, v, g, beta, cache.ssm, layer, side.slots, side.lengths, side.fresh
-        )
+        out, ssm = ctx.mixers.gdn_prefill(q, k, v, g, beta, cache.ssm, layer, side.slots, side.lengths, side.fresh)
         return out, dataclasses.replace(cache, conv=conv, ssm=ssm)
 
     def __call__(self, x, cache: Cache, layer, ctx: StepContext):
@@ -163,9 +159,7 @@ class GatedDeltaNet(nnx.Module):
         z = self.in_proj_z(x)
         beta = jax.nn.sigmoid(self.in_proj_b(x))
         a = self.in_proj_a(x).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a + self.dt_bias[...].astype(jnp.float32)
-        )
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         mixed_d, mixed_p = ctx.split(mixed)
         (g_d, g_p), (beta_d, beta_p) = ctx.split(g), ctx.split(beta)
         out_d = out_p = None
@@ -233,9 +227,7 @@ class Attention(nnx.Module):
         out_d = out_p = None
         if q_d is not None:
             side = ctx.inputs.decode
-            out_d = ctx.mixers.decode_attention(
-                q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1
-            )
+            out_d = ctx.mixers.decode_attention(q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1)
         if q_p is not None:
             side = ctx.inputs.prefill
             out_p = ctx.mixers.prefill_attention(
@@ -291,9 +283,7 @@ class Embedding(nnx.Module):
     def logits(self, h):
         """[R, hidden] -> fp32 logits [R, vocab] (fp32 accumulation; HF rounds them to the model dtype)."""
         head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed_tokens.weight
-        return lax.dot_general(
-            self.norm(h), head[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        return lax.dot_general(self.norm(h), head[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)

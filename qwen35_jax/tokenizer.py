@@ -86,13 +86,9 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRaise(str(message))
 
 
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
-):
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False):
     # Not HTML-escaped (unlike jinja2's built-in tojson): prompts are plain text.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -122,16 +118,12 @@ def _flatten_content(content: Any, where: str) -> str:
             if not isinstance(part, Mapping):
                 raise ValueError(f"{where}.content[{j}] must be an object, got {type(part).__name__}")
             if part.get("type") != "text":
-                raise ValueError(
-                    f"{where}.content[{j}] has type {part.get('type')!r}; only 'text' parts are supported"
-                )
+                raise ValueError(f"{where}.content[{j}] has type {part.get('type')!r}; only 'text' parts are supported")
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"{where}.content[{j}].text must be a string")
             texts.append(part["text"])
         return "\n".join(texts)
-    raise ValueError(
-        f"{where}.content must be a string or a list of text parts, got {type(content).__name__}"
-    )
+    raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
 
 
 def _normalize_tool_calls(tool_calls: Any, where: str) -> list[dict]:
@@ -333,9 +325,7 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
 
-    def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs
-    ):
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs):
         """`encode(apply_chat_template(...))`."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
 

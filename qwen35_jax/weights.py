@@ -48,9 +48,7 @@ class WeightSpec:
 
 
 def _names(path) -> tuple:
-    return tuple(
-        getattr(k, "key", getattr(k, "name", None)) for k in path if getattr(k, "name", "") != "value"
-    )
+    return tuple(getattr(k, "key", getattr(k, "name", None)) for k in path if getattr(k, "name", "") != "value")
 
 
 def _hf_keys(cfg: Qwen35Config, names: tuple) -> tuple[str, ...]:
@@ -141,28 +139,20 @@ def check_coverage(reader: SafetensorsReader, specs: list[WeightSpec]) -> None:
     expected = {key: spec.shape for spec in specs for key in spec.hf_keys}
     missing = sorted(set(expected) - set(reader.entries))
     if missing:
-        raise CheckpointError(
-            f"{reader.folder}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}"
-        )
+        raise CheckpointError(f"{reader.folder}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     unexpected = sorted(set(reader.entries) - set(expected))
     if unexpected:
-        raise CheckpointError(
-            f"{reader.folder}: unexpected tensor(s) {unexpected[:8]} (not part of the model)"
-        )
+        raise CheckpointError(f"{reader.folder}: unexpected tensor(s) {unexpected[:8]} (not part of the model)")
     for key, shape in expected.items():
         found = reader.shape(key)
         if found != shape:
-            raise CheckpointError(
-                f"{reader.folder}: tensor {key} has shape {list(found)}, expected {list(shape)}"
-            )
+            raise CheckpointError(f"{reader.folder}: tensor {key} has shape {list(found)}, expected {list(shape)}")
 
 
 def _as_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if array.dtype == dtype:
         return array
-    return (
-        array.astype(np.float32).astype(dtype) if array.dtype == ml_dtypes.bfloat16 else array.astype(dtype)
-    )
+    return array.astype(np.float32).astype(dtype) if array.dtype == ml_dtypes.bfloat16 else array.astype(dtype)
 
 
 def load_safetensors(folder: str | Path, cfg: Qwen35Config, dtype) -> dict:

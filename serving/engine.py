@@ -108,9 +108,7 @@ class Engine:
         """Raises RequestRejected when the request can never fit (before anything is queued)."""
         self.scheduler.check_request(num_prompt_tokens, max_tokens)
 
-    def submit(
-        self, prompt_ids: list[int], params: GenerationParams, on_output, request_id: str | None = None
-    ) -> str:
+    def submit(self, prompt_ids: list[int], params: GenerationParams, on_output, request_id: str | None = None) -> str:
         self.check(len(prompt_ids), params.max_tokens)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id=request_id, prompt_ids=list(prompt_ids), max_tokens=params.max_tokens)
@@ -206,7 +204,7 @@ class Engine:
         if gen.params.logprobs is not None:
             n = gen.params.logprobs
             lps = [
-                TokenLogprob(token, logprob, [(int(i), float(v)) for i, v in zip(top_ids[:n], top_lp[:n])])
+                TokenLogprob(token, logprob, [(int(i), float(v)) for i, v in zip(top_ids[:n], top_lp[:n], strict=True)])
             ]
         self._emit(gen, RequestOutput(request_id, [token], text, lps))
         if stopped or reason is not None:

@@ -18,9 +18,7 @@ from qwen35_jax.config import Qwen35Config
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COMPILE_CACHE = Path(
-    os.environ.get("QWEN35_JAX_COMPILE_CACHE", Path.home() / ".cache" / "qwen35_jax" / "xla")
-)
+DEFAULT_COMPILE_CACHE = Path(os.environ.get("QWEN35_JAX_COMPILE_CACHE", Path.home() / ".cache" / "qwen35_jax" / "xla"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +73,7 @@ def _device_free_bytes() -> int | None:
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
-def cache_spec(
-    cfg: Qwen35Config, dtype, config: EngineConfig, activation_reserve: int = 2 << 30
-) -> CacheSpec:
+def cache_spec(cfg: Qwen35Config, dtype, config: EngineConfig, activation_reserve: int = 2 << 30) -> CacheSpec:
     """Slots: one per decode row plus the trash slot. Pages: explicit, or what the memory budget allows."""
     num_slots = config.max_batch + 1
     if config.num_pages is not None:
@@ -86,9 +82,7 @@ def cache_spec(
     if free is None:  # CPU: enough for every slot to hold a full-length sequence
         pages = config.max_batch * -(-config.max_model_len // config.page_size) + 1
         return CacheSpec(pages, config.page_size, num_slots)
-    budget = (
-        int(free * config.gpu_memory_fraction) - activation_reserve - num_slots * bytes_per_slot(cfg, dtype)
-    )
+    budget = int(free * config.gpu_memory_fraction) - activation_reserve - num_slots * bytes_per_slot(cfg, dtype)
     pages = budget // bytes_per_page(cfg, config.page_size, dtype)
     if pages < 2:
         raise ValueError(f"no room for the KV pool: {budget} bytes left for it; lower --max-batch")

@@ -123,9 +123,7 @@ class Runner:
         self.token_state = jnp.zeros(spec.num_slots, jnp.int32)
         self.executables: dict[tuple[int, int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
-        self._jitted = jax.jit(
-            partial(engine_step, model_def, mixer_set, num_top_logprobs), donate_argnums=(1, 2)
-        )
+        self._jitted = jax.jit(partial(engine_step, model_def, mixer_set, num_top_logprobs), donate_argnums=(1, 2))
 
     @property
     def num_compiles(self) -> int:
@@ -145,9 +143,7 @@ class Runner:
         slots[: len(rows)] = [r.slot for r in rows]
         positions[: len(rows)] = [r.position for r in rows]
         page_table = self._page_table([r.page_ids for r in rows], size)
-        return DecodeSide(
-            tokens=np.zeros(size, np.int32), positions=positions, slots=slots, page_table=page_table
-        )
+        return DecodeSide(tokens=np.zeros(size, np.int32), positions=positions, slots=slots, page_table=page_table)
 
     def _prefill_side(self, plan: StepPlan, num_rows: int, chunk: int) -> PrefillSide:
         tokens = np.zeros((num_rows, chunk), np.int32)
@@ -203,12 +199,8 @@ class Runner:
         rows = SamplingRows.from_rows(
             sampling[: len(plan.decode)], key[0]
         ) if key[0] else None  # fmt: skip
-        rows = _concat_rows(
-            rows, SamplingRows.from_rows(sampling[len(plan.decode) :], key[1]) if key[1] else None
-        )
-        self.cache, self.token_state, outputs = executable(
-            self.params, self.cache, self.token_state, inputs, rows
-        )
+        rows = _concat_rows(rows, SamplingRows.from_rows(sampling[len(plan.decode) :], key[1]) if key[1] else None)
+        self.cache, self.token_state, outputs = executable(self.params, self.cache, self.token_state, inputs, rows)
         return StepHandle(plan, key, outputs, time.perf_counter())
 
     def cache_lost(self) -> bool:

@@ -285,9 +285,7 @@ def test_auto_keeps_prefilling_in_the_finishing_window_under_stream_overlap():
 
 
 def test_auto_budget_is_the_fifo_front_remainder_capped():
-    scheduler = scheduler_with(
-        make_request("d", 2, 50), max_prefill_tokens=16, max_prefill_chunks=2, policy="auto"
-    )
+    scheduler = scheduler_with(make_request("d", 2, 50), max_prefill_tokens=16, max_prefill_chunks=2, policy="auto")
     scheduler.schedule()
     scheduler.add(make_request("front", 10, 4))
     scheduler.add(make_request("next", 10, 4))
@@ -496,9 +494,7 @@ class EngineModel:
             assert len(request.page_ids) == reserved
         # FCFS: every admitted request arrived before every waiting one, and the queue keeps arrival order.
         waiting = [arrival_number(request) for request in scheduler.waiting]
-        assert waiting == sorted(waiting) and max(map(arrival_number, running), default=-1) < min(
-            waiting, default=1e9
-        )
+        assert waiting == sorted(waiting) and max(map(arrival_number, running), default=-1) < min(waiting, default=1e9)
 
 
 def arrival_number(request: Request) -> int:

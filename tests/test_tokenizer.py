@@ -30,9 +30,7 @@ def tok() -> Tokenizer:
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_tokenizer", REPO / "tools" / "make_tiny_tokenizer.py"
-    )
+    spec = importlib.util.spec_from_file_location("make_tiny_tokenizer", REPO / "tools" / "make_tiny_tokenizer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -182,9 +180,7 @@ def test_template_environment(tmp_path):
     )
     assert ws.apply_chat_template(messages) == "A\nB\nC"
     (tmp_path / "s").mkdir()
-    sandbox = Tokenizer.from_dir(
-        _copy_tokenizer(tmp_path / "s", {"chat_template": "{{ messages.append(1) }}"})
-    )
+    sandbox = Tokenizer.from_dir(_copy_tokenizer(tmp_path / "s", {"chat_template": "{{ messages.append(1) }}"}))
     with pytest.raises(ValueError):  # the immutable sandbox forbids mutating the messages
         sandbox.apply_chat_template(messages)
 
@@ -212,9 +208,7 @@ def test_chat_template_exact(tok):
     assert tok.apply_chat_template(CONVERSATION, add_generation_prompt=False) == EXPECTED.removesuffix(
         "<|im_start|>assistant\n"
     )
-    assert (
-        tok.apply_chat_template(CONVERSATION, enable_thinking=False) == EXPECTED + "<think>\n\n</think>\n\n"
-    )
+    assert tok.apply_chat_template(CONVERSATION, enable_thinking=False) == EXPECTED + "<think>\n\n</think>\n\n"
     assert tok.apply_chat_template(CONVERSATION, enable_thinking=True) == EXPECTED + "<think>\n"
     ids = tok.encode_chat(CONVERSATION)
     assert ids[0] == 1 and ids.count(1) == 5 and ids.count(2) == 4
@@ -257,9 +251,7 @@ def test_chat_template_reasoning_and_tools(tok):
         "<|im_start|>assistant\n"
     )
     # the caller's messages are not modified
-    assert messages[1]["content"] is None and isinstance(
-        messages[1]["tool_calls"][0]["function"]["arguments"], str
-    )
+    assert messages[1]["content"] is None and isinstance(messages[1]["tool_calls"][0]["function"]["arguments"], str)
 
 
 @pytest.mark.parametrize(
@@ -347,11 +339,7 @@ def test_incremental_detokenizer_drops_unknown_and_special_ids(tok):
     for skip in (True, False):
         det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
         pieces = [det.push(i) for i in ids] + [det.flush()]
-        assert (
-            "".join(pieces)
-            == tok.decode(ids, skip_special_tokens=skip)
-            == ("a😀b" if skip else "a😀<|im_end|>b")
-        )
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip) == ("a😀b" if skip else "a😀<|im_end|>b")
 
 
 def test_incremental_detokenizer_window_stays_small(tok):
@@ -436,9 +424,7 @@ def test_stop_strings_with_token_stream(tok):
 def test_stop_matcher_against_reference():
     rng = random.Random(99)
     for _ in range(2000):
-        stops = [
-            "".join(rng.choice("ab") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
-        ]
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
         full = "".join(rng.choice("abc") for _ in range(rng.randint(0, 20)))
         cuts = sorted(rng.sample(range(len(full) + 1), min(len(full) + 1, rng.randint(0, 5))))
         chunks = [full[a:b] for a, b in zip([0, *cuts], [*cuts, len(full)], strict=True)]

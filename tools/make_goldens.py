@@ -413,9 +413,7 @@ def model_class_name(case: Case) -> str:
 
 def load(case: Case, out: Path, dtype: torch.dtype) -> torch.nn.Module:
     cls = Qwen3_5ForConditionalGeneration if case.layout == "composite" else Qwen3_5ForCausalLM
-    model, info = cls.from_pretrained(
-        out, dtype=dtype, attn_implementation=ATTN_IMPL, output_loading_info=True
-    )
+    model, info = cls.from_pretrained(out, dtype=dtype, attn_implementation=ATTN_IMPL, output_loading_info=True)
     assert not info["missing_keys"], info["missing_keys"]
     assert not info["mismatched_keys"], info["mismatched_keys"]
     assert all(k.startswith("mtp.") for k in info["unexpected_keys"]), info["unexpected_keys"]
@@ -570,9 +568,7 @@ def make_case(case: Case, root: Path) -> dict:
         "prefill_logits_fp32_std": round(float(all32.std()), 4),
         "prefill_logits_fp32_per_position_std_mean": round(float(all32.std(axis=-1).mean()), 4),
         "prefill_bf16_vs_fp32_max_abs": round(float(np.abs(all16 - all32).max()), 4),
-        "prefill_bf16_vs_fp32_argmax_agreement": round(
-            float((all16.argmax(-1) == all32.argmax(-1)).mean()), 4
-        ),
+        "prefill_bf16_vs_fp32_argmax_agreement": round(float((all16.argmax(-1) == all32.argmax(-1)).mean()), 4),
     }
     meta = {
         "case": case.name,
