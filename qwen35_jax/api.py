@@ -69,7 +69,8 @@ class LoadedModel:
         return ids
 
     def _single_cache(self, num_tokens: int):
-        pages = -(-num_tokens // self.page_size)
+        # A power-of-two page count keeps the set of compiled shapes small across prompt lengths.
+        pages = max(8, 1 << (-(-num_tokens // self.page_size) - 1).bit_length())
         spec = CacheSpec(num_pages=pages + 1, page_size=self.page_size, num_slots=2)
         page_table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None, :]
         return new_cache(self.config, spec, self.dtype), page_table
@@ -91,6 +92,33 @@ class LoadedModel:
         out, _ = step(self.model_def, self.params, cache, inputs, self.kernels, all_prefill_logits=True)
         return np.asarray(out[: len(ids)], dtype=np.float32)
 
+    def logits_incremental(self, token_ids, chunk_sizes=(), decode_from: int | None = None) -> np.ndarray:
+        """fp32 logits at every position, computed the way serving does: prefill chunks of the given sizes,
+        each continuing from the cached state, then (from index decode_from on) one-token decode steps.
+        The sizes need not cover the prompt: the rest up to decode_from is one last chunk."""
+        ids = self._check_ids(token_ids)
+        decode_from = len(ids) if decode_from is None else decode_from
+        cache, page_table = self._single_cache(len(ids))
+        rows, start = [], 0
+        for size in [*chunk_sizes, decode_from - sum(chunk_sizes)]:
+            if size <= 0:
+                continue
+            inputs = self._prefill_inputs(ids[start : start + size], start, _round_up(size, 16), page_table)
+            logits, cache = step(self.model_def, self.params, cache, inputs, self.kernels, all_prefill_logits=True)
+            rows.append(np.asarray(logits[:size]))
+            start += size
+        for position in range(decode_from, len(ids)):
+            side = self._decode_side(ids[position], position, page_table)
+            logits, cache = step(self.model_def, self.params, cache, StepInputs(side, None), self.kernels)
+            rows.append(np.asarray(logits))
+        return np.concatenate(rows).astype(np.float32)
+
+    def _decode_side(self, token: int, position: int, page_table) -> DecodeSide:
+        return DecodeSide(
+            tokens=jnp.array([token], jnp.int32), positions=jnp.array([position], jnp.int32),
+            slots=jnp.zeros(1, jnp.int32), page_table=page_table,
+        )  # fmt: skip
+
     def generate(
         self, token_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
         min_p: float = 0.0, seed: int = 0, stop_token_ids=None, ignore_eos: bool = False,
@@ -108,10 +136,7 @@ class LoadedModel:
             out.append(token)
             if token in stops:
                 break
-            side = DecodeSide(
-                tokens=jnp.array([token], jnp.int32), positions=jnp.array([len(ids) + len(out) - 1], jnp.int32),
-                slots=jnp.zeros(1, jnp.int32), page_table=page_table,
-            )  # fmt: skip
+            side = self._decode_side(token, len(ids) + len(out) - 1, page_table)
             logits, cache = step(self.model_def, self.params, cache, StepInputs(side, None), self.kernels)
         return out
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from qwen35_jax.serving.plan import Request, StepPlan
 from qwen35_jax.serving.runner import StepHandle
-from qwen35_jax.serving.scheduler import Scheduler
+from qwen35_jax.serving.scheduler import RequestRejected, Scheduler
 
 from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.tokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -114,6 +114,9 @@ class Engine:
         request = Request(request_id=request_id, prompt_ids=list(prompt_ids), max_tokens=params.max_tokens)
         gen = Generation(request, params, on_output, *self._text_tools(params))
         with self._wake:
+            # A live duplicate would make the loop's scheduler.add raise, which would stop the engine.
+            if request_id in self.generations or any(g.request.request_id == request_id for g in self._inbox):
+                raise RequestRejected(f"request id {request_id!r} is already in use")
             self._inbox.append(gen)
             self._wake.notify()
         return request_id
@@ -134,8 +137,10 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            # Under the lock, so that `submit` always sees a submitted id in the inbox or in `generations`.
+            for gen in inbox:
+                self.generations[gen.request.request_id] = gen
         for gen in inbox:
-            self.generations[gen.request.request_id] = gen
             self.scheduler.add(gen.request)
         for request_id in aborts:
             self._finish(request_id, "abort", emit=True)
@@ -264,6 +269,10 @@ class Engine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
+
+    def is_running(self) -> bool:
+        """True while the loop thread started by `start` is alive."""
+        return self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
         while True:

@@ -1,0 +1,212 @@
+"""`qwen35-jax serve` and `qwen35-jax bench`.
+
+`serve` checks every flag, builds the engine config and binds the port before any weight loads, so a bad
+flag or a taken port fails in milliseconds with exit code 2 and a message naming the flag. Then: weights
+(progress), compilation of every step program (progress), and one line saying where it listens.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+from qwen35_jax.kernels import KERNEL_SETS
+
+from qwen35_jax.api import DTYPES
+from qwen35_jax.cli import FlagError
+
+log = logging.getLogger(__name__)
+
+
+def add_serving_parsers(subparsers) -> None:
+    _serve_parser(subparsers)
+    from qwen35_jax.serving import bench
+
+    p = subparsers.add_parser("bench", help="benchmark an OpenAI-compatible server (like `vllm bench serve`)")
+    bench.add_arguments(p)
+    p.set_defaults(handler=_run_bench)
+
+
+def _run_bench(args) -> None:
+    from qwen35_jax.serving import bench
+
+    try:
+        bench.run_command(args)
+    except bench.BenchError as err:
+        raise FlagError(str(err)) from None
+
+
+def _serve_parser(subparsers) -> None:
+    from qwen35_jax.serving.factory import DEFAULT_COMPILE_CACHE, EngineConfig
+
+    defaults = EngineConfig()
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", required=True, help="preset (tiny, 0.8b, 4b, 9b, 27b: random weights) or model folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model as given)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--kernels", default="ref", choices=KERNEL_SETS, help="token-mixer kernel set")
+    p.add_argument("--max-batch", type=int, default=defaults.max_batch, help="most requests running at once")
+    p.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
+                   help="prompt tokens prefilled per step at most")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help=f"longest prompt + output, in tokens (default: the model's, at most {defaults.max_model_len})")  # fmt: skip
+    p.add_argument("--gpu-memory-fraction", type=float, default=defaults.gpu_memory_fraction,
+                   help="share of free device memory for weights' neighbours: KV pages and state slots")  # fmt: skip
+    p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
+    p.add_argument("--scheduler-policy", default=defaults.scheduler_policy, help="prefill budget policy: off|auto")
+    p.add_argument("--decode-overlap", default=defaults.decode_overlap, help="off|stream")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="waiting requests beyond --max-batch running; more get HTTP 429")  # fmt: skip
+    p.add_argument("--default-chat-max-tokens", type=int, default=4096,
+                   help="max_tokens of a chat request that gives none (capped by the context left)")  # fmt: skip
+    p.add_argument("--compile-cache", default=str(DEFAULT_COMPILE_CACHE),
+                   help="persistent XLA compilation cache folder ('' or 'off' to disable)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights for presets")
+    p.set_defaults(handler=run_serve)
+
+
+def engine_config(args, max_position_embeddings: int):
+    """The EngineConfig of the serve flags; its own checks name the flags."""
+    from qwen35_jax.serving.factory import EngineConfig
+
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        max_model_len = min(EngineConfig.max_model_len, max_position_embeddings)
+    cache = None if args.compile_cache in ("", "off") else args.compile_cache
+    try:
+        return EngineConfig(
+            max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, max_model_len=max_model_len,
+            gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
+            scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap, compile_cache=cache,
+        )  # fmt: skip
+    except ValueError as err:
+        raise FlagError(str(err)) from None
+
+
+def model_config(model: str):
+    """The model's config (config.json or the preset), read without touching the weights."""
+    from qwen35_jax.config import PRESETS, load_config, preset
+
+    if model.lower().removeprefix("qwen3.5-") in PRESETS and not Path(model).exists():
+        return preset(model)
+    if not Path(model).is_dir():
+        raise FlagError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an existing folder")
+    try:
+        return load_config(model)
+    except Exception as err:
+        raise FlagError(f"--model {model}: cannot read its config.json: {err}") from None
+
+
+def validate_serve(args):
+    """Every check that needs no weights; returns (EngineConfig, model config)."""
+    if args.kernels == "pallas":
+        raise FlagError("--kernels pallas: the Pallas kernels are not implemented yet; use --kernels ref")
+    if not 0 <= args.port <= 65535:
+        raise FlagError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 0:
+        raise FlagError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.default_chat_max_tokens < 1:
+        raise FlagError(f"--default-chat-max-tokens must be >= 1, got {args.default_chat_max_tokens}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise FlagError("--api-key must not be empty")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise FlagError("--served-model-name must not be empty")
+    cfg = model_config(args.model)
+    config = engine_config(args, cfg.max_position_embeddings)
+    if config.max_model_len > cfg.max_position_embeddings:
+        raise FlagError(f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings "
+                        f"({cfg.max_position_embeddings})")  # fmt: skip
+    return config, cfg
+
+
+class _Elapsed:
+    """A progress line for a step with no measurable parts (loading weights): elapsed time, ticking."""
+
+    def __init__(self, description: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(desc=description, total=None, bar_format="{desc}: {elapsed}", file=sys.stderr)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._tick, daemon=True)
+
+    def _tick(self) -> None:
+        while not self.done.wait(0.5):
+            self.bar.refresh()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.bar.close()
+
+
+def _compile_progress(keys):
+    from tqdm import tqdm
+
+    return tqdm(keys, desc="compiling step programs", unit="program", file=sys.stderr)
+
+
+def run_serve(args) -> None:
+    config, cfg = validate_serve(args)
+    try:
+        from qwen35_jax.serving import server as http
+    except ImportError as err:
+        raise FlagError(f"serve needs the server extras (pip install 'qwen35-jax[serve]'): {err}") from None
+    try:
+        sock = http.bind(args.host, args.port)
+    except OSError as err:
+        raise FlagError(f"--host {args.host} --port {args.port}: cannot bind: {err.strerror or err}") from None
+    try:
+        _serve_on(sock, args, config, cfg)
+    finally:
+        sock.close()
+
+
+def _load(args, config):
+    from qwen35_jax.serving.factory import build_engine
+
+    from qwen35_jax.api import load_model
+
+    try:
+        with _Elapsed(f"loading weights ({args.model}, {args.dtype})"):
+            model = load_model(args.model, dtype=args.dtype, kernels=args.kernels, seed=args.seed)
+    except (OSError, ValueError) as err:
+        raise FlagError(f"--model {args.model}: {err}") from None
+    try:
+        engine = build_engine(model, config, progress=_compile_progress)
+    except ValueError as err:  # e.g. no room for the KV pool; the message names the flag to change
+        raise FlagError(str(err)) from None
+    return model, engine
+
+
+def _serve_on(sock, args, config, cfg) -> None:
+    from qwen35_jax.serving import server as http
+
+    start = time.perf_counter()
+    model, engine = _load(args, config)
+    name = args.served_model_name or args.model
+    server_config = http.ServerConfig(
+        served_model_name=name, max_model_len=config.max_model_len, vocab_size=cfg.vocab_size, api_key=args.api_key,
+        max_queue=args.max_queue, default_chat_max_tokens=args.default_chat_max_tokens,
+        max_logprobs=config.num_top_logprobs,
+    )  # fmt: skip
+    app = http.create_app(http.OpenAIServer(engine, model.tokenizer, server_config))
+    url = http.listen_url(sock)
+
+    def announce() -> None:
+        print(f"qwen35-jax serving {name} on {url} (ready in {time.perf_counter() - start:.1f}s)", flush=True)
+
+    engine.start()
+    try:
+        http.UvicornServer(app, on_started=announce).run(sockets=[sock])
+    finally:
+        engine.shutdown()

@@ -1,0 +1,267 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests are strict (no "5" for 5) and forbid unknown fields, so a misspelt or unsupported parameter is a
+400 that names it instead of being silently ignored. Parameters that OpenAI clients send with a neutral
+value (`n=1`, `echo=false`, zero penalties, ...) are declared so that the neutral value passes; any other
+value is refused by `unsupported_params`. The value ranges here are those of the OpenAI API; limits that
+depend on the server (vocabulary, context length, logprob count) are checked by the server.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_TOP_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+StopStrings = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+
+
+class SamplingFields(_Strict):
+    """What completions and chat completions share."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, description="-1 or 0 turns it off")] | None = None
+    min_p: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    stop: StopStrings | Annotated[list[StopStrings], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1024)] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted only at their neutral values (see `unsupported_params`).
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def _neutral_problems(request: SamplingFields) -> list[tuple[str, str]]:
+    problems = []
+    if request.n not in (None, 1):
+        problems.append(("n", f"n={request.n} is not supported: only one choice per request (n=1)"))
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if value is not None and value != 0:
+            problems.append((name, f"{name}={value} is not supported: penalties are not implemented (use 0)"))
+    if request.repetition_penalty is not None and request.repetition_penalty != 1:
+        problems.append(
+            ("repetition_penalty", f"repetition_penalty={request.repetition_penalty} is not supported (use 1)")
+        )
+    if request.logit_bias:
+        problems.append(("logit_bias", "logit_bias is not supported"))
+    if request.stream_options is not None and not request.stream:
+        problems.append(("stream_options", "stream_options is only allowed when stream is true"))
+    return problems
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | Annotated[list[int], Field(min_length=1)] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Clients echo back assistant messages with extra keys (refusal, annotations, audio, ...): they are
+    # conversation data, not parameters, so they are dropped rather than refused.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the tokenizer's chat template takes it (`developer` is the newer name of `system`)."""
+        message = self.model_dump(exclude_none=True)
+        if message["role"] == "developer":
+            message["role"] = "system"
+        return message
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, str]]:
+    """(param, message) for every parameter set to a value this server does not implement."""
+    problems = _neutral_problems(request)
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            problems.append(("echo", "echo=true is not supported"))
+        if request.best_of not in (None, 1):
+            problems.append(("best_of", f"best_of={request.best_of} is not supported (use 1)"))
+        if request.suffix:
+            problems.append(("suffix", "suffix is not supported"))
+        return problems
+    if request.tools:
+        problems.append(("tools", "tools are not supported"))
+    if request.tool_choice not in (None, "none", "auto"):
+        problems.append(("tool_choice", "tool_choice other than 'none' or 'auto' is not supported (no tools)"))
+    if request.response_format is not None and request.response_format.type != "text":
+        problems.append(("response_format", f"response_format type {request.response_format.type!r} is not supported"))
+    if request.top_logprobs is not None and not request.logprobs:
+        problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
+    return problems
+
+
+# ---- responses ------------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "qwen35-jax"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def finite_logprob(value: float) -> float:
+    """JSON has no -inf: a token of probability zero reports this floor instead (as vLLM does)."""
+    return value if math.isfinite(value) else -9999.0

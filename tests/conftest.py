@@ -1,0 +1,111 @@
+"""Shared test setup: JAX on the CPU unless told otherwise, the `gpu` marker's auto-skip, and engines that
+are built once per session and checked for leaks after every test.
+
+GPU tests run with `JAX_PLATFORMS=cuda pytest -m gpu` (the default here is the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return  # no jax import (and no backend start) for the host-only test files
+    import jax
+
+    platform = jax.devices()[0].platform
+    if platform != "gpu":
+        skip = pytest.mark.skip(reason=f"needs a GPU; JAX runs on {platform} (set JAX_PLATFORMS=cuda)")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def compile_cache_dir(tmp_path_factory) -> str:
+    """One persistent XLA compilation cache for the session: an engine whose step programs have the same
+    shapes as an earlier engine's (same model, pool and page-table sizes) loads them instead of compiling."""
+    return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from qwen35_jax.api import load_model
+
+    return load_model("tiny", dtype="float32")
+
+
+class EngineRegistry:
+    """Builds engines and remembers them, so that every test can be checked for leaks on all of them."""
+
+    def __init__(self, compile_cache: str):
+        self.compile_cache = compile_cache
+        self.engines: list = []
+        self.compiled_ahead: set[int] = set()  # ids of engines whose every bucket was compiled at build
+
+    def build(self, model, compile_now: bool = True, **config):
+        from qwen35_jax.serving.factory import EngineConfig, build_engine
+
+        engine = build_engine(model, EngineConfig(compile_cache=self.compile_cache, **config), compile_now)
+        self.engines.append(engine)
+        if compile_now:
+            self.compiled_ahead.add(id(engine))
+        return engine
+
+    def release(self, engine) -> None:
+        self.engines.remove(engine)
+        self.compiled_ahead.discard(id(engine))
+
+
+@pytest.fixture(scope="session")
+def engines(compile_cache_dir) -> EngineRegistry:
+    return EngineRegistry(compile_cache_dir)
+
+
+def engine_leaks(engine, compiled_ahead: bool) -> list[str]:
+    """What an idle engine should not have: held pages or slots, live generations, queued work, and (for an
+    engine compiled at build time) any program outside its bucket set."""
+    scheduler = engine.scheduler
+    problems = []
+    if scheduler.page_pool.num_free != scheduler.page_pool.num_total:
+        problems.append(f"{scheduler.page_pool.num_total - scheduler.page_pool.num_free} KV pages still held")
+    if scheduler.slot_pool.num_free != scheduler.slot_pool.num_total:
+        problems.append(f"{scheduler.slot_pool.num_total - scheduler.slot_pool.num_free} GDN slots still held")
+    if engine.generations:
+        problems.append(f"generations still live: {sorted(engine.generations)}")
+    if engine.has_work():
+        problems.append("the engine still has work (queued requests, aborts or a step in flight)")
+    if compiled_ahead and set(engine.runner.compile_seconds) != set(engine.runner.buckets.keys()):
+        extra = set(engine.runner.compile_seconds) - set(engine.runner.buckets.keys())
+        problems.append(f"compiled programs outside the bucket set: {sorted(extra)}")
+    return problems
+
+
+def reset_engine(engine) -> None:
+    """Abort whatever a failed test left behind, so that the next test starts from an idle engine."""
+    for request_id in list(engine.generations):
+        engine.abort(request_id)
+    for request in list(engine.scheduler.waiting) + list(engine.scheduler.running.values()):
+        engine.scheduler.abort(request.request_id)
+    engine.run_until_done()
+
+
+@pytest.fixture(autouse=True)
+def check_engines_idle(request):
+    """After every test: every engine built so far is idle with all its pages and slots back in the pools."""
+    yield
+    if "engines" not in request.fixturenames:
+        return
+    registry: EngineRegistry = request.getfixturevalue("engines")
+    problems = []
+    for engine in registry.engines:
+        leaks = engine_leaks(engine, id(engine) in registry.compiled_ahead)
+        problems += [f"engine {id(engine):#x}: {leak}" for leak in leaks]
+        if leaks:
+            reset_engine(engine)
+    assert not problems, "\n".join(problems)

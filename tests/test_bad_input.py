@@ -1,0 +1,188 @@
+"""Bad input against the live server: every case gets a 4xx in the OpenAI error shape, a good request still
+succeeds right after it, and the engine's pools are full again after each case."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+pytest_plugins = ["_server"]
+
+MODEL = "tiny-test"  # the served name in _server.py
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+GOOD = {"model": MODEL, "prompt": [10, 11, 12], "max_tokens": 2}
+CHAT_GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TEXT_BOMB = "word " * 400  # far more than --max-model-len (128) tokens
+
+
+def completion(**fields):
+    return {k: v for k, v in (GOOD | fields).items() if v is not ...}
+
+
+def chat(**fields):
+    return {k: v for k, v in (CHAT_GOOD | fields).items() if v is not ...}
+
+
+# (id, method, path, body: dict | bytes | None, extra headers (None: no API key at all), expected status)
+CASES = [
+    ("malformed-json", "POST", COMPLETIONS, b'{"model": "tiny-test", "prompt": ', {}, 400),
+    ("body-not-an-object", "POST", COMPLETIONS, b"[1, 2, 3]", {}, 400),
+    ("empty-body", "POST", COMPLETIONS, b"", {}, 400),
+    ("nan-literal", "POST", COMPLETIONS, b'{"model": "tiny-test", "prompt": [1], "temperature": NaN}', {}, 400),
+    ("prompt-wrong-type", "POST", COMPLETIONS, completion(prompt=5), {}, 400),
+    ("prompt-float-ids", "POST", COMPLETIONS, completion(prompt=[1.5, 2.0]), {}, 400),
+    ("max-tokens-string", "POST", COMPLETIONS, completion(max_tokens="5"), {}, 400),
+    ("max-tokens-bool", "POST", COMPLETIONS, completion(max_tokens=True), {}, 400),
+    ("temperature-string", "POST", COMPLETIONS, completion(temperature="hot"), {}, 400),
+    ("stream-not-bool", "POST", COMPLETIONS, completion(stream="yes"), {}, 400),
+    ("missing-prompt", "POST", COMPLETIONS, completion(prompt=...), {}, 400),
+    ("missing-model", "POST", COMPLETIONS, completion(model=...), {}, 400),
+    ("missing-messages", "POST", CHAT, chat(messages=...), {}, 400),
+    ("max-tokens-zero", "POST", COMPLETIONS, completion(max_tokens=0), {}, 400),
+    ("max-tokens-negative", "POST", COMPLETIONS, completion(max_tokens=-5), {}, 400),
+    ("max-tokens-huge", "POST", COMPLETIONS, completion(max_tokens=10**9), {}, 400),
+    ("max-tokens-astronomic", "POST", COMPLETIONS, completion(max_tokens=10**40), {}, 400),
+    ("chat-max-tokens-huge", "POST", CHAT, chat(max_tokens=10**6), {}, 400),
+    ("temperature-negative", "POST", COMPLETIONS, completion(temperature=-0.5), {}, 400),
+    ("temperature-too-high", "POST", COMPLETIONS, completion(temperature=2.5), {}, 400),
+    ("top-p-zero", "POST", COMPLETIONS, completion(top_p=0), {}, 400),
+    ("top-p-above-one", "POST", COMPLETIONS, completion(top_p=1.5), {}, 400),
+    ("top-k-below-minus-one", "POST", COMPLETIONS, completion(top_k=-2), {}, 400),
+    ("min-p-one", "POST", COMPLETIONS, completion(min_p=1.0), {}, 400),
+    ("seed-out-of-range", "POST", COMPLETIONS, completion(seed=2**70), {}, 400),
+    ("unknown-model", "POST", COMPLETIONS, completion(model="gpt-4"), {}, 404),
+    ("chat-unknown-model", "POST", CHAT, chat(model="nope"), {}, 404),
+    ("empty-messages", "POST", CHAT, chat(messages=[]), {}, 400),
+    ("bad-role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), {}, 400),
+    ("message-content-int", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), {}, 400),
+    ("message-without-content", "POST", CHAT, chat(messages=[{"role": "user"}]), {}, 400),
+    (
+        "image-content-part",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        {},
+        400,
+    ),
+    ("prompt-ids-over-max-model-len", "POST", COMPLETIONS, completion(prompt=[7] * 200), {}, 400),
+    ("text-prompt-over-max-model-len", "POST", COMPLETIONS, completion(prompt=TEXT_BOMB), {}, 400),
+    ("chat-over-max-model-len", "POST", CHAT, chat(messages=[{"role": "user", "content": TEXT_BOMB}]), {}, 400),
+    ("huge-body", "POST", COMPLETIONS, b'{"model": "tiny-test", "prompt": "' + b"a" * (5 << 20) + b'"}', {}, 413),
+    ("token-id-outside-vocab", "POST", COMPLETIONS, completion(prompt=[1, 2, 10**6]), {}, 400),
+    ("token-id-negative", "POST", COMPLETIONS, completion(prompt=[1, -3]), {}, 400),
+    ("empty-token-list", "POST", COMPLETIONS, completion(prompt=[]), {}, 400),
+    ("empty-text-prompt", "POST", COMPLETIONS, completion(prompt=""), {}, 400),
+    ("two-prompts", "POST", COMPLETIONS, completion(prompt=["a", "b"]), {}, 400),
+    ("wrong-api-key", "POST", COMPLETIONS, completion(), {"Authorization": "Bearer wrong"}, 401),
+    ("missing-api-key", "POST", COMPLETIONS, completion(), None, 401),
+    ("models-without-key", "GET", "/v1/models", None, None, 401),
+    ("n-2", "POST", COMPLETIONS, completion(n=2), {}, 400),
+    ("chat-n-3", "POST", CHAT, chat(n=3), {}, 400),
+    ("echo", "POST", COMPLETIONS, completion(echo=True), {}, 400),
+    ("best-of", "POST", COMPLETIONS, completion(best_of=3), {}, 400),
+    ("suffix", "POST", COMPLETIONS, completion(suffix="end"), {}, 400),
+    ("presence-penalty", "POST", COMPLETIONS, completion(presence_penalty=0.5), {}, 400),
+    ("frequency-penalty", "POST", CHAT, chat(frequency_penalty=1.0), {}, 400),
+    ("logit-bias", "POST", COMPLETIONS, completion(logit_bias={"5": 10}), {}, 400),
+    ("unknown-field", "POST", COMPLETIONS, completion(frobnicate=True), {}, 400),
+    ("completion-logprobs-21", "POST", COMPLETIONS, completion(logprobs=21), {}, 400),
+    ("top-logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=3), {}, 400),
+    ("top-logprobs-30", "POST", CHAT, chat(logprobs=True, top_logprobs=30), {}, 400),
+    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400),
+    ("tool-choice-required", "POST", CHAT, chat(tool_choice="required"), {}, 400),
+    ("response-format-json", "POST", CHAT, chat(response_format={"type": "json_object"}), {}, 400),
+    ("too-many-stop-strings", "POST", COMPLETIONS, completion(stop=[f"s{i}" for i in range(17)]), {}, 400),
+    ("empty-stop-string", "POST", COMPLETIONS, completion(stop=""), {}, 400),
+    ("stop-token-id-outside-vocab", "POST", COMPLETIONS, completion(stop_token_ids=[5, 100000]), {}, 400),
+    ("stream-options-without-stream", "POST", COMPLETIONS, completion(stream_options={"include_usage": True}), {}, 400),
+    ("template-kwargs-override-messages", "POST", CHAT, chat(chat_template_kwargs={"messages": []}), {}, 400),
+    ("unknown-route", "POST", "/v1/embeddings", {"model": MODEL, "input": "x"}, {}, 404),
+    ("wrong-method", "GET", COMPLETIONS, None, {}, 405),
+]
+
+
+@pytest.fixture(scope="module")
+def http(live_server):
+    with httpx.Client(base_url=live_server.root, timeout=60) as client:
+        yield client
+
+
+def send(http, server, method, path, body, headers):
+    all_headers = {} if headers is None else server.headers() | headers
+    if isinstance(body, dict):
+        return http.request(method, path, json=body, headers=all_headers)
+    if isinstance(body, bytes):
+        return http.request(method, path, content=body, headers=all_headers | {"Content-Type": "application/json"})
+    return http.request(method, path, headers=all_headers)
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])  # fmt: skip
+def test_bad_input_gets_a_4xx_in_the_openai_shape(idle_server, http, method, path, body, headers, status):
+    response = send(http, idle_server, method, path, body, headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    good = send(http, idle_server, "POST", COMPLETIONS, GOOD, {})
+    assert good.status_code == 200, good.text
+    assert good.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_matrix_is_large_enough():
+    assert len(CASES) >= 25
+
+
+def test_errors_name_the_param(idle_server, http):
+    expectations = {
+        "temperature": completion(temperature=9),
+        "max_tokens": completion(max_tokens=10**6),
+        "n": completion(n=2),
+        "frobnicate": completion(frobnicate=1),
+        "model": completion(model="other"),
+        "prompt": completion(prompt=[10**6]),
+    }
+    for param, body in expectations.items():
+        error = send(http, idle_server, "POST", COMPLETIONS, body, {}).json()["error"]
+        assert error["param"] == param, error
+
+
+def test_prompt_over_max_model_len_gives_both_numbers(idle_server, http):
+    response = send(http, idle_server, "POST", COMPLETIONS, completion(prompt=[7] * 200), {})
+    message = response.json()["error"]["message"]
+    assert "200" in message and str(idle_server.max_model_len) in message
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_gives_the_numbers(idle_server, http):
+    response = send(http, idle_server, "POST", COMPLETIONS, completion(prompt=[7] * 100, max_tokens=50), {})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "100" in message and "50" in message and str(idle_server.max_model_len) in message
+
+
+def test_accepted_harmless_and_neutral_params(idle_server, http):
+    """What OpenAI clients send by default must pass: neutral values of unsupported features, `user`."""
+    body = completion(n=1, best_of=1, echo=False, presence_penalty=0.0, frequency_penalty=0, logit_bias={},
+                      user="someone", top_k=-1, stop=None)  # fmt: skip
+    assert send(http, idle_server, "POST", COMPLETIONS, body, {}).status_code == 200
+    body = chat(n=1, tool_choice="none", response_format={"type": "text"}, parallel_tool_calls=False,
+                messages=[{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "yo", "refusal": None, "annotations": []},
+                          {"role": "user", "content": "again"}])  # fmt: skip
+    assert send(http, idle_server, "POST", CHAT, body, {}).status_code == 200
+
+
+def test_pools_are_full_after_the_matrix(idle_server):
+    state = idle_server.wait_idle()
+    assert not any(state.values()), state
+    pages, slots = idle_server.engine.scheduler.page_pool, idle_server.engine.scheduler.slot_pool
+    assert pages.num_free == pages.num_total and slots.num_free == slots.num_total
+
+
+def test_health_and_metrics_need_no_key(live_server):
+    assert httpx.get(f"{live_server.root}/health").status_code == 200
+    assert httpx.get(f"{live_server.root}/metrics").status_code == 200
+    json.loads(httpx.get(f"{live_server.root}/openapi.json").text)

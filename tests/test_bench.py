@@ -1,0 +1,86 @@
+"""The benchmark client against the live tiny server: a short run finishes with zero failures and a complete
+JSON result; a Poisson run; the A/B table; flag checks; and the percentile arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest_plugins = ["_server"]
+
+SHORT = ["--input-len", "16", "--output-len", "8", "--num-prompts", "8", "--quiet"]
+
+
+def bench_flags(server) -> list[str]:
+    return ["--base-url", server.root, "--api-key", server.api_key, "--token-id-max", str(server.vocab_size)]
+
+
+def test_short_run_at_fixed_concurrency_has_no_failures(idle_server, tmp_path):
+    result = tmp_path / "a.json"
+    command = [sys.executable, "-m", "qwen35_jax.serving.bench", *bench_flags(idle_server), *SHORT,
+               "--max-concurrency", "4", "--label", "conc4", "--result-json", str(result)]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(result.read_text())
+    assert summary["failed"] == 0 and summary["completed"] == 8, summary["errors"]
+    assert summary["model"] == idle_server.model_name  # found through /v1/models
+    assert summary["total_input_tokens"] == 8 * 16 and summary["total_output_tokens"] == 8 * 8
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "p50", "p90", "p99"):
+            assert summary[f"{stat}_{name}_ms"] > 0
+    assert summary["p50_ttft_ms"] <= summary["p99_ttft_ms"] <= summary["p99_e2el_ms"]
+    assert summary["request_throughput"] > 0 and summary["output_throughput"] > 0
+    assert summary["total_token_throughput"] > summary["output_throughput"]
+    assert "TTFT mean (ms)" in run.stdout
+
+
+def test_poisson_run_through_the_cli_and_the_ab_table(idle_server, tmp_path, capsys):
+    from qwen35_jax.cli import main
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path, rate in ((a, "inf"), (b, "40")):
+        code = main(["bench", *bench_flags(idle_server), *SHORT, "--model", idle_server.model_name,
+                     "--request-rate", rate, "--result-json", str(path)])  # fmt: skip
+        assert code == 0
+        assert json.loads(path.read_text())["failed"] == 0
+    capsys.readouterr()
+    assert main(["bench", "compare", str(a), str(b)]) == 0
+    table = capsys.readouterr().out
+    assert "TTFT p99 (ms)" in table and "output tok/s" in table and "B vs A" in table
+    assert "note: request_rate differs" in table
+
+
+def test_failures_are_counted_not_fatal(idle_server, tmp_path):
+    from qwen35_jax.serving import bench
+
+    result = tmp_path / "bad.json"
+    code = bench.main([*bench_flags(idle_server), *SHORT, "--model", "no-such-model", "--result-json", str(result)])
+    assert code == 0
+    summary = json.loads(result.read_text())
+    assert summary["failed"] == 8 and summary["completed"] == 0
+    assert any("404" in error for error in summary["errors"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [(["--input-len", "0"], "--input-len"), (["--max-concurrency", "0"], "--max-concurrency"),
+     (["--request-rate", "0"], "--request-rate"), (["--token-id-min", "600", "--token-id-max", "512"], "--token-id")],
+)  # fmt: skip
+def test_bad_bench_flags_exit_2(flags, named, capsys):
+    from qwen35_jax.serving import bench
+
+    assert bench.main(flags) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_percentiles_interpolate_like_numpy():
+    from qwen35_jax.serving.bench import _percentile
+
+    values = [1.0, 2.0, 3.0, 4.0, 10.0]
+    assert _percentile(values, 50) == 3.0
+    assert _percentile(values, 90) == pytest.approx(7.6)
+    assert _percentile(values, 99) == pytest.approx(9.76)
+    assert _percentile([5.0], 99) == 5.0

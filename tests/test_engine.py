@@ -1,0 +1,703 @@
+"""The serving engine on the CPU with tiny fp32 models: greedy against the HF goldens, what batching,
+chunking and sampling must not change, finish reasons, cancellation, step errors, rejected requests and
+the bound on compiled programs; then unit tests of the device sampler.
+
+Engines are expensive here (each step program takes seconds to compile on the CPU), so the file builds
+one fully compiled engine (`engine`: 15 programs), one with a 16-token prefill budget whose 7 programs load
+from the session's compile cache (`chunked_engine`), and small lazily compiled engines for the golden
+checkpoints. Every test leaves them idle; conftest's autouse fixture checks that (no KV page or GDN slot
+held, no live generation, nothing queued or in flight, no program outside the bucket set).
+
+Tolerances: two fp32 runs that differ only in summation order (another batch bucket, other chunk sizes)
+move logits by ~1e-6 on these models, so logprobs are compared to 1e-4 and a greedy argmax may only flip
+where the top two logprobs are within 1e-4 of each other (`assert_same_greedy`). Runs whose inputs and
+batch are identical must agree bit for bit. Our fp32 logits match HF's golden fp32 logits to < 1e-5.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from qwen35_jax.serving.device_sampling import SamplingRows, sample
+from qwen35_jax.serving.engine import GenerationParams, RequestOutput, SamplingRow, TokenLogprob
+from qwen35_jax.serving.runner import StepHandle
+from qwen35_jax.serving.scheduler import RequestRejected
+
+from qwen35_jax.api import load_model
+from qwen35_jax.sampling import SamplingParams, filtered_probs
+
+GOLDEN_DIR = Path(__file__).parent / "fixtures" / "golden"
+GOLDEN_CASES = sorted(p.name for p in GOLDEN_DIR.iterdir() if (p / "golden.npz").is_file())
+
+TIE_GAP = 1e-4  # a greedy argmax may flip between equivalent fp32 runs only below this top-2 logprob gap
+LOGPROB_ATOL = 1e-4  # logprobs of equivalent fp32 runs (observed differences ~1e-6)
+HF_LOGPROB_ATOL = 1e-4  # engine logprobs against HF's fp32 goldens (observed < 1e-5)
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch: compile or cache load
+
+
+# ---- engines ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(engines, tiny_model):
+    """Every bucket compiled at build: decode B in {1, 2, 4}, chunk T in {16, 32, 64}, and every B x T."""
+    engine = engines.build(tiny_model, max_batch=4, max_prefill_tokens=64, max_model_len=512)
+    yield engine
+    engines.release(engine)
+
+
+@pytest.fixture(scope="module")
+def chunked_engine(engines, tiny_model, engine):
+    """The same model and pools with a 16-token prefill budget. Its programs have the shapes of seven of
+    `engine`'s (`engine` is built first), so they load from the session's compile cache."""
+    chunked = engines.build(tiny_model, max_batch=4, max_prefill_tokens=16, max_model_len=512)
+    yield chunked
+    engines.release(chunked)
+
+
+@dataclasses.dataclass
+class GoldenCase:
+    model: object
+    engine: object
+    prompt: list[int]  # decode_prompt [40]
+    forced: list[int]  # decode_tokens [8]: random tokens fed teacher-forced after the prompt
+    logits: np.ndarray  # [9, V] HF fp32: row j = logits after prompt + forced[:j]
+
+
+@pytest.fixture(scope="module")
+def golden_cases(engines):
+    """GoldenCase by name, loaded on first use; its engine compiles only the programs a test needs."""
+    built: dict[str, GoldenCase] = {}
+
+    def get(name: str) -> GoldenCase:
+        if name not in built:
+            folder = GOLDEN_DIR / name
+            data = np.load(folder / "golden.npz")
+            model = load_model(folder, dtype="float32")
+            engine = engines.build(model, compile_now=False, max_batch=2, max_prefill_tokens=64, max_model_len=128)
+            built[name] = GoldenCase(model, engine, data["decode_prompt"].tolist(), data["decode_tokens"].tolist(),
+                                     data["decode_logits_fp32"])  # fmt: skip
+        return built[name]
+
+    yield get
+    for case in built.values():
+        engines.release(case.engine)
+
+
+# ---- requests and results -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str
+    error: str | None
+
+
+class Collector:
+    """The on_output callback of a test's requests: keeps every delivery per request, in order."""
+
+    def __init__(self):
+        self.outputs: dict[str, list[RequestOutput]] = collections.defaultdict(list)
+        self.finished = threading.Condition()
+
+    def __call__(self, output: RequestOutput) -> None:
+        with self.finished:
+            self.outputs[output.request_id].append(output)
+            self.finished.notify_all()
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in list(self.outputs[request_id]) for t in o.token_ids]
+
+    def is_finished(self, request_id: str) -> bool:
+        return any(o.finish_reason is not None for o in list(self.outputs[request_id]))
+
+    def wait(self, predicate, timeout: float = 300.0) -> None:
+        """For the threaded loop; the timeout only keeps a broken engine from hanging the test run."""
+        with self.finished:
+            assert self.finished.wait_for(predicate, timeout), "the engine thread stopped delivering"
+
+    def result(self, request_id: str, num_prompt_tokens: int | None = None) -> Result:
+        outputs = self.outputs[request_id]
+        finishes = [i for i, o in enumerate(outputs) if o.finish_reason is not None]
+        assert finishes == [len(outputs) - 1], f"{request_id} must finish exactly once, in its last delivery"
+        last = outputs[-1]
+        token_ids = self.tokens(request_id)
+        assert last.num_output_tokens == len(token_ids)
+        if num_prompt_tokens is not None:
+            assert last.num_prompt_tokens == num_prompt_tokens
+        logprobs = [lp for o in outputs if o.logprobs for lp in o.logprobs]
+        return Result(token_ids, "".join(o.text for o in outputs), logprobs, last.finish_reason, last.error)
+
+
+def prompt(length: int, seed: int, vocab: int = 512) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, length).tolist()
+
+
+def greedy(max_tokens: int, **fields) -> GenerationParams:
+    """Greedy, to the length limit, with the top-2 logprobs that `assert_same_greedy` needs."""
+    return GenerationParams(**({"max_tokens": max_tokens, "ignore_eos": True, "logprobs": 2} | fields))
+
+
+def generate(engine, requests: list[tuple[list[int], GenerationParams]]) -> list[Result]:
+    """Submit all requests at once, run the engine inline until idle, return the results in order."""
+    collector = Collector()
+    ids = [engine.submit(p, params, collector) for p, params in requests]
+    engine.run_until_done()
+    return [collector.result(rid, len(p)) for rid, (p, _) in zip(ids, requests, strict=True)]
+
+
+def assert_same_greedy(result: Result, reference: Result) -> None:
+    """Same greedy tokens, logprobs within LOGPROB_ATOL. An equivalent fp32 computation may flip the argmax
+    only where the reference's top two logprobs are within TIE_GAP; the sequences diverge from there, so
+    the comparison stops. A flip anywhere else fails."""
+    assert len(result.token_ids) == len(reference.token_ids)
+    for i, (got, want) in enumerate(zip(result.logprobs, reference.logprobs, strict=True)):
+        if got.token_id != want.token_id:
+            gap = want.top[0][1] - want.top[1][1]
+            assert gap < TIE_GAP, f"token {i}: {got.token_id} != {want.token_id}, top-2 logprob gap {gap:.2e}"
+            return
+        assert abs(got.logprob - want.logprob) <= LOGPROB_ATOL, f"token {i}: {got.logprob} vs {want.logprob}"
+
+
+class StepSpy:
+    """Wraps `runner.launch` to record each step's bucket key and plan."""
+
+    def __init__(self, runner, monkeypatch):
+        self.keys: list[tuple[int, int, int]] = []
+        self.plans = []
+        launch = runner.launch
+
+        def spy(plan, sampling):
+            self.keys.append(runner.buckets.key_for(plan))
+            self.plans.append(plan)
+            return launch(plan, sampling)
+
+        monkeypatch.setattr(runner, "launch", spy)
+
+    def chunk_lengths(self) -> list[int]:
+        return [len(c.token_ids) for plan in self.plans for c in plan.prefill]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+# ---- greedy against HF --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", GOLDEN_CASES)
+def test_next_token_matches_hf_greedy(golden_cases, case):
+    """HF's greedy next token for 9 contexts of each golden checkpoint: the decode prompt followed by 0..8
+    teacher-forced tokens; HF's logits after each are stored, so HF's greedy choice is their argmax."""
+    golden = golden_cases(case)
+    contexts = [golden.prompt + golden.forced[:j] for j in range(len(golden.logits))]
+    results = generate(golden.engine, [(c, greedy(1, logprobs=1)) for c in contexts])
+    hf_logprobs = log_softmax(golden.logits)
+    for j, result in enumerate(results):
+        top2 = np.sort(golden.logits[j])[-2:]
+        # The smallest top-2 gap in these fixtures is ~1e-2, far above the < 1e-5 between our logits and
+        # HF's: the argmax is decided, not a tie.
+        assert top2[1] - top2[0] > 1e-3
+        assert result.token_ids == [int(np.argmax(golden.logits[j]))], f"context {j}"
+        assert result.logprobs[0].logprob == pytest.approx(hf_logprobs[j, result.token_ids[0]], abs=HF_LOGPROB_ATOL)
+
+
+def test_greedy_generation_matches_hf_and_model(golden_cases):
+    """Multi-token greedy. HF's greedy continuation itself is not stored (the golden's decode tokens are
+    random, teacher-forced), so: the first token is HF's argmax; each later token must be the argmax of
+    `model.logits(prompt + generated[:i])`, one full prefill whose logits the golden tests check against
+    HF; and the whole sequence must equal `model.generate` (one full prefill, then single-row decode).
+    An untied checkpoint: random tied models mostly repeat their input token, a weak check."""
+    golden = golden_cases("composite_untied_gqa2")
+    result = generate(golden.engine, [(golden.prompt, greedy(8))])[0]
+    assert result.finish_reason == "length" and len(result.token_ids) == 8
+    assert result.token_ids[0] == int(np.argmax(golden.logits[0]))
+    for i, token in enumerate(result.token_ids):
+        logits = golden.model.logits(golden.prompt + result.token_ids[:i])[-1]
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-3, f"token {i} is a near-tie; pick another prompt"
+        assert token == int(np.argmax(logits)), f"token {i}"
+        assert result.logprobs[i].logprob == pytest.approx(log_softmax(logits)[token], abs=LOGPROB_ATOL)
+    assert result.token_ids == golden.model.generate(golden.prompt, 8, ignore_eos=True)
+
+
+# ---- what batching, chunking and repetition must not change -------------------------------------------
+
+MIXED = [(3, 12), (200, 4), (17, 9), (64, 6), (65, 12), (130, 5), (9, 10), (41, 8)]  # (prompt, max_tokens)
+
+
+def test_concurrent_requests_match_one_at_a_time(engine, monkeypatch):
+    requests = [(prompt(n, seed=i), greedy(m)) for i, (n, m) in enumerate(MIXED)]
+    spy = StepSpy(engine.runner, monkeypatch)
+    together = generate(engine, requests)
+    # The batch really mixed: decode rows of several requests, and chunks beside decode rows.
+    assert max(k[0] for k in spy.keys) == 4 and any(k[0] and k[1] for k in spy.keys)
+    alone = [generate(engine, [request])[0] for request in requests]
+    for (_, max_tokens), got, want in zip(MIXED, together, alone, strict=True):
+        assert got.finish_reason == want.finish_reason == "length"
+        assert len(got.token_ids) == max_tokens
+        assert_same_greedy(got, want)
+
+
+CHUNKING = [(5, 6), (16, 6), (17, 6), (33, 6), (50, 6), (64, 6), (130, 6)]  # (prompt, max_tokens)
+
+
+def test_chunked_prefill_matches_unchunked(engine, chunked_engine, monkeypatch):
+    requests = [(prompt(n, seed=100 + n), greedy(m)) for n, m in CHUNKING]
+    whole_spy, chunked_spy = StepSpy(engine.runner, monkeypatch), StepSpy(chunked_engine.runner, monkeypatch)
+    whole = generate(engine, requests)
+    chunked = generate(chunked_engine, requests)
+    # Prompts up to 64 tokens went in one chunk on `engine`, and in 16-token chunks on `chunked_engine`.
+    assert whole_spy.chunk_lengths() == [5, 16, 17, 33, 50, 64, 64, 64, 2]
+    assert max(chunked_spy.chunk_lengths()) == 16 and len(chunked_spy.chunk_lengths()) == 1 + 1 + 2 + 3 + 4 + 4 + 9
+    for got, want in zip(chunked, whole, strict=True):
+        assert_same_greedy(got, want)
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=7)], ids=["greedy", "seeded"]
+)
+def test_logprobs_repeat_bit_for_bit_at_batch_one(engine, sampling):
+    request = (prompt(37, seed=7), GenerationParams(max_tokens=8, ignore_eos=True, sampling=sampling, logprobs=5))
+    first, second = generate(engine, [request])[0], generate(engine, [request])[0]
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 8
+    for a, b in zip(first.logprobs, second.logprobs, strict=True):
+        assert (a.token_id, a.logprob, a.top) == (b.token_id, b.logprob, b.top)
+        assert len(a.top) == 5 and [lp for _, lp in a.top] == sorted((lp for _, lp in a.top), reverse=True)
+        assert a.logprob <= 0.0 and dict(a.top).get(a.token_id, a.logprob) == a.logprob
+    if sampling.greedy:
+        assert all(lp.token_id == lp.top[0][0] and lp.logprob == lp.top[0][1] for lp in first.logprobs)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0, top_k=1, seed=3), SamplingParams(temperature=1.0, top_p=1e-6, seed=3)],
+    ids=["top_k=1", "top_p=1e-6"],
+)
+def test_degenerate_sampling_equals_greedy(engine, sampling):
+    """The tiny model's next-token distributions are nearly flat (top-1 probability ~0.003 over 512 ids),
+    so a filter that kept more than the top token would almost surely change the sequence."""
+    prompts = [prompt(n, seed=200 + n) for n in (6, 30, 70)]
+    want = generate(engine, [(p, greedy(10)) for p in prompts])
+    got = generate(engine, [(p, greedy(10, sampling=sampling)) for p in prompts])
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
+
+
+def test_seeded_sampling_repeats_alone_and_in_a_batch(engine):
+    p = prompt(25, seed=11)
+    request = (p, GenerationParams(max_tokens=32, ignore_eos=True, sampling=SEEDED, logprobs=1))
+    alone, again = generate(engine, [request])[0], generate(engine, [request])[0]
+    assert alone.token_ids == again.token_ids
+    # The seeded request shares steps with other requests (sampled with other seeds, and greedy), sits in
+    # another row, and is admitted while others decode.
+    others = [
+        (prompt(90, seed=12), GenerationParams(max_tokens=20, ignore_eos=True, sampling=SamplingParams(1.0, seed=5))),
+        (prompt(8, seed=13), GenerationParams(max_tokens=40, ignore_eos=True, sampling=SamplingParams(0.7, seed=6))),
+        (prompt(33, seed=14), greedy(12)),
+    ]
+    batch = generate(engine, [others[0], others[1], request, others[2]])
+    assert batch[2].token_ids == alone.token_ids
+    # Two independent draws agree at a position with probability sum(p_i^2) <= max p_i; at temperature 1
+    # every top-1 probability here is < 0.05 (checked), and at 0.8 it stays far below 0.5. More than 16
+    # agreements out of 32 would then have probability < 2^32 * 0.05^16 ~ 7e-12.
+    assert max(np.exp(lp.top[0][1]) for lp in alone.logprobs) < 0.05
+    other_seed = dataclasses.replace(request[1], sampling=dataclasses.replace(SEEDED, seed=4321))
+    reseeded = generate(engine, [(p, other_seed)])[0]
+    assert sum(a == b for a, b in zip(alone.token_ids, reseeded.token_ids, strict=True)) <= 16
+    # and sampling happened at all: the seeded sequence is not the greedy one
+    assert alone.token_ids != generate(engine, [(p, greedy(32))])[0].token_ids
+
+
+# ---- finish reasons -----------------------------------------------------------------------------------
+
+FINISH_PROMPT = prompt(19, seed=21)
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> Result:
+    """12 greedy tokens of FINISH_PROMPT to the length limit; the stop tests pick their stops from it."""
+    result = generate(engine, [(FINISH_PROMPT, greedy(12))])[0]
+    assert len(result.token_ids) == 12 and result.finish_reason == "length"
+    return result
+
+
+def first_new_token_index(tokens: list[int], start: int) -> int:
+    """An index >= start whose token did not appear before it (so a stop on it fires exactly there)."""
+    return next(k for k in range(start, len(tokens)) if tokens[k] not in tokens[:k])
+
+
+def test_length_finish_and_text(engine, reference):
+    assert reference.finish_reason == "length" and reference.error is None
+    assert reference.text == engine.tokenizer.decode(reference.token_ids)
+
+
+def test_stop_token_id_finishes_with_stop(engine, reference):
+    k = first_new_token_index(reference.token_ids, 3)
+    params = greedy(12, stop_token_ids=(reference.token_ids[k],))
+    result = generate(engine, [(FINISH_PROMPT, params)])[0]
+    assert result.finish_reason == "stop"
+    assert result.token_ids == reference.token_ids[: k + 1]  # the stop token is delivered, its text is not
+    assert result.text == engine.tokenizer.decode(reference.token_ids[:k])
+
+
+def test_eos_finishes_unless_ignored(engine, reference, monkeypatch):
+    assert engine.eos_token_ids == {2, 0}  # the tiny config's EOS ids
+    # Random weights never pick the real EOS ids in 12 tokens, so make one of the reference tokens an EOS id.
+    k = first_new_token_index(reference.token_ids, 4)
+    monkeypatch.setattr(engine, "eos_token_ids", frozenset({reference.token_ids[k]}))
+    stopped, ignored = generate(engine, [(FINISH_PROMPT, greedy(12, ignore_eos=False)), (FINISH_PROMPT, greedy(12))])
+    assert stopped.finish_reason == "stop" and stopped.token_ids == reference.token_ids[: k + 1]
+    assert stopped.text == engine.tokenizer.decode(reference.token_ids[:k])
+    assert ignored.finish_reason == "length" and ignored.token_ids == reference.token_ids
+
+
+def test_stop_string_finishes_and_truncates_text(engine, reference):
+    text = reference.text
+    # A two-character printable stop string that first appears in the middle of the reference text.
+    at = next(
+        i for i in range(3, len(text) - 4) if text[i : i + 2].isprintable() and "\ufffd" not in text[i : i + 2]
+        and text.find(text[i : i + 2]) == i
+    )  # fmt: skip
+    stop = text[at : at + 2]
+    result = generate(engine, [(FINISH_PROMPT, greedy(12, stop=(stop,)))])[0]
+    assert result.finish_reason == "stop"
+    assert result.text == text[:at] and stop not in result.text
+    assert result.token_ids == reference.token_ids[: len(result.token_ids)] and len(result.token_ids) < 12
+
+
+# ---- cancellation and leaks ---------------------------------------------------------------------------
+
+
+def test_abort_mid_prefill(chunked_engine):
+    engine = chunked_engine
+    follow_up = (prompt(20, seed=31), greedy(6))
+    before = generate(engine, [follow_up])[0]
+    collector = Collector()
+    rid = engine.submit(prompt(150, seed=32), greedy(4), collector)
+    engine.step()  # admits the request and launches its first 16-token chunk
+    request = engine.scheduler.running[rid]
+    assert request.num_computed_tokens == 16 and request.remaining_prompt == 134
+    engine.abort(rid)
+    engine.run_until_done()
+    result = collector.result(rid)
+    assert result.finish_reason == "abort" and result.token_ids == []
+    assert engine.scheduler.page_pool.num_free == engine.scheduler.page_pool.num_total
+    # The follow-up gets the slot the aborted prompt left half-filled; its first chunk must start from a
+    # clean state, so it matches the run before bit for bit (same slot, pages, batch and programs).
+    after = generate(engine, [follow_up])[0]
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+
+
+def test_abort_mid_decode(engine):
+    collector = Collector()
+    p_abort, p_keep = prompt(12, seed=33), prompt(7, seed=34)
+    rid = engine.submit(p_abort, greedy(100), collector)
+    keep = engine.submit(p_keep, greedy(12), collector)
+    while len(collector.tokens(rid)) < 3:
+        engine.step()
+    delivered = collector.tokens(rid)
+    engine.abort(rid)
+    engine.run_until_done()
+    result = collector.result(rid)
+    assert result.finish_reason == "abort"
+    assert result.token_ids == delivered  # the token of the step in flight at the abort is dropped
+    kept = collector.result(keep)
+    assert kept.finish_reason == "length" and len(kept.token_ids) == 12
+    assert_same_greedy(kept, generate(engine, [(p_keep, greedy(12))])[0])
+
+
+def test_abort_queued_and_unstarted_requests(engine):
+    collector = Collector()
+    running = [engine.submit(prompt(10, seed=40 + i), greedy(6), collector) for i in range(4)]
+    queued = engine.submit(prompt(10, seed=44), greedy(6), collector)
+    engine.step()  # four admitted (max_batch), the fifth waits
+    assert [r.request_id for r in engine.scheduler.waiting] == [queued]
+    engine.abort(queued)
+    unstarted = engine.submit(prompt(10, seed=45), greedy(6), collector)
+    engine.abort(unstarted)  # before the loop ever saw it
+    engine.abort("no-such-request")  # harmless
+    engine.run_until_done()
+    for rid in (queued, unstarted):
+        assert collector.result(rid).finish_reason == "abort" and collector.tokens(rid) == []
+    for rid in running:
+        assert collector.result(rid).finish_reason == "length" and len(collector.tokens(rid)) == 6
+
+
+def test_threaded_loop_serves_aborts_and_shuts_down(tiny_model, engines):
+    """start / abort / shutdown, on an engine of its own because shutdown is final for the loop thread. Its
+    config is `chunked_engine`'s, so the programs it compiles on first use load from the compile cache."""
+    engine = engines.build(tiny_model, compile_now=False, max_batch=4, max_prefill_tokens=16, max_model_len=512)
+    try:
+        collector = Collector()
+        engine.start()
+        short = engine.submit(prompt(9, seed=50), greedy(5), collector)
+        aborted = engine.submit(prompt(9, seed=51), greedy(400), collector)
+        collector.wait(lambda: len(collector.tokens(aborted)) >= 2)
+        engine.abort(aborted)
+        collector.wait(lambda: collector.is_finished(aborted) and collector.is_finished(short))
+        cut = engine.submit(prompt(9, seed=52), greedy(400), collector)
+        collector.wait(lambda: len(collector.tokens(cut)) >= 1)
+        engine.shutdown()  # drains the step in flight, then ends every live request
+        assert collector.result(short).finish_reason == "length" and len(collector.tokens(short)) == 5
+        assert collector.result(aborted).finish_reason == "abort"
+        ended = collector.result(cut)
+        assert ended.finish_reason == "abort" and ended.error == "engine shut down"
+        assert not engine._thread.is_alive()
+    finally:
+        engine.shutdown()
+        engines.release(engine)
+    assert engine.scheduler.page_pool.num_free == engine.scheduler.page_pool.num_total
+    assert engine.scheduler.slot_pool.num_free == engine.scheduler.slot_pool.num_total
+    assert not engine.generations
+
+
+# ---- compiles -----------------------------------------------------------------------------------------
+
+
+def test_serving_compiles_nothing_new(engine, monkeypatch):
+    """A workload that runs every bucket program (prefill-only, decode-only and unified, at every B and T)
+    compiles nothing: no new runner program and no XLA compile or cache load at all."""
+    runner = engine.runner
+    assert set(runner.compile_seconds) == set(runner.buckets.keys()) and runner.num_compiles == 15
+    before = runner.num_compiles
+    backend_compiles = []
+
+    def on_event(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            backend_compiles.append(kwargs)
+
+    spy = StepSpy(runner, monkeypatch)
+    collector = Collector()
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        # Prefill-only steps at T = 16, 32, 64 (max_tokens=1: these never decode).
+        for n in (10, 20, 40):
+            engine.submit(prompt(n, seed=60 + n), greedy(1), collector)
+        engine.run_until_done()
+        # With 1, 2 and 3 requests decoding, one prompt per chunk bucket: unified steps at B = 1, 2, 4.
+        for num_decoding in (1, 2, 3):
+            decoders = [engine.submit(prompt(5, seed=70 + i), greedy(30), collector) for i in range(num_decoding)]
+            while any(engine.scheduler.running[r].remaining_prompt for r in decoders if r in engine.scheduler.running):
+                engine.step()
+            engine.step()  # a decode-only step at this B
+            prefills = [engine.submit(prompt(n, seed=80 + n), greedy(1), collector) for n in (10, 20, 40)]
+            while not all(collector.is_finished(r) for r in prefills):
+                engine.step()
+            for rid in decoders:
+                engine.abort(rid)
+            engine.run_until_done()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert set(spy.keys) == set(runner.buckets.keys())  # every program served a real step
+    assert runner.num_compiles == before and set(runner.compile_seconds) == set(runner.buckets.keys())
+    assert backend_compiles == []
+    assert all(o.error is None for outputs in collector.outputs.values() for o in outputs)
+
+
+# ---- failures and rejections --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["launch", "launch_cache_lost", "fetch"])
+def test_step_error_fails_only_its_requests(engine, monkeypatch, where):
+    """A and B are admitted together; A's prefill step (the first) fails. A must finish with "error" and a
+    message, B and a later request must complete. When the failed launch consumed the donated caches,
+    every request holding a slot fails (B too) and the engine restarts from fresh caches."""
+    p_a, p_b, p_later = prompt(10, seed=90), prompt(11, seed=91), prompt(12, seed=92)
+    want_b, want_later = generate(engine, [(p_b, greedy(5))])[0], generate(engine, [(p_later, greedy(5))])[0]
+    failures = []
+
+    def fail(message: str) -> None:
+        failures.append(message)
+        raise RuntimeError(message)
+
+    if where == "fetch":
+        fetch = StepHandle.fetch
+        monkeypatch.setattr(StepHandle, "fetch", lambda h: fetch(h) if failures else fail("injected fetch failure"))
+    else:
+        launch = engine.runner.launch
+
+        def failing_launch(plan, sampling):
+            if failures:
+                return launch(plan, sampling)
+            if where == "launch_cache_lost":
+                engine.runner.cache.k_pages.delete()  # what a launch that failed after donating leaves
+            fail("injected launch failure")
+
+        monkeypatch.setattr(engine.runner, "launch", failing_launch)
+    collector = Collector()
+    a, b = engine.submit(p_a, greedy(5), collector), engine.submit(p_b, greedy(5), collector)
+    engine.run_until_done()
+    assert len(failures) == 1
+    result_a = collector.result(a)
+    assert result_a.finish_reason == "error" and failures[0] in result_a.error and result_a.token_ids == []
+    result_b = collector.result(b)
+    if where == "launch_cache_lost":
+        assert result_b.finish_reason == "error" and failures[0] in result_b.error
+        assert not engine.runner.cache_lost()
+    else:
+        assert result_b.finish_reason == "length"
+        assert_same_greedy(result_b, want_b)
+    later = generate(engine, [(p_later, greedy(5))])[0]
+    assert later.token_ids == want_later.token_ids and later.logprobs == want_later.logprobs
+
+
+def test_bad_requests_are_rejected_at_submit(engine, engines, tiny_model):
+    collector = Collector()
+    with pytest.raises(RequestRejected, match="empty"):
+        engine.submit([], greedy(4), collector)
+    with pytest.raises(RequestRejected, match="max_tokens must be at least 1"):
+        engine.submit(prompt(5, seed=1), greedy(0), collector)
+    with pytest.raises(RequestRejected, match="exceeds the maximum model length of 512"):
+        engine.submit(prompt(500, seed=1), greedy(13), collector)
+    engine.check(500, 12)  # exactly max_model_len fits
+    # A pool smaller than one max_model_len sequence: 8 allocatable pages of 16 tokens = 128 tokens.
+    small = engines.build(tiny_model, compile_now=False, max_batch=2, max_prefill_tokens=16, max_model_len=512,
+                          num_pages=9)  # fmt: skip
+    try:
+        with pytest.raises(RequestRejected, match="whole KV cache holds 8"):
+            small.submit(prompt(100, seed=1), greedy(29), collector)
+        small.check(100, 28)
+        assert not small.has_work() and small.runner.num_compiles == 0
+    finally:
+        engines.release(small)
+    assert not engine.has_work() and not collector.outputs
+
+
+def test_duplicate_live_request_id_is_rejected(engine):
+    collector = Collector()
+    engine.submit(prompt(5, seed=2), greedy(3), collector, request_id="same")
+    with pytest.raises(RequestRejected, match="already in use"):
+        engine.submit(prompt(5, seed=3), greedy(3), collector, request_id="same")
+    engine.run_until_done()
+    assert collector.result("same").finish_reason == "length"
+    engine.submit(prompt(5, seed=3), greedy(3), collector, request_id="again")  # a finished id is free again
+    engine.run_until_done()
+
+
+# ---- device sampling ----------------------------------------------------------------------------------
+
+sample_jit = jax.jit(sample, static_argnums=2)
+
+
+def sampling_rows(n: int, **columns) -> SamplingRows:
+    """n rows; each column a scalar for every row or a length-n sequence."""
+    defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_index=0)
+    values = {k: np.broadcast_to(np.asarray(v), (n,)) for k, v in (defaults | columns).items()}
+    return SamplingRows.from_rows([SamplingRow(**{k: v[i].item() for k, v in values.items()}) for i in range(n)], n)
+
+
+def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, vocab)) * scale).astype(np.float32)
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    logits = random_logits(8, 300, seed=0)
+    temperature = [0.0, 1.0, 0.0, 0.7, 0.0, 1.3, 0.0, 0.0]
+    tokens, *_ = sample_jit(logits, sampling_rows(8, temperature=temperature, seed=np.arange(8)), 4)
+    greedy_rows = [i for i, t in enumerate(temperature) if t == 0.0]
+    assert np.asarray(tokens)[greedy_rows].tolist() == np.argmax(logits[greedy_rows], axis=-1).tolist()
+    # Padding rows from `from_rows` are greedy.
+    padded = SamplingRows.from_rows([SamplingRow(1.0, 0, 1.0, 0.0, 1, 0)], pad_to=8)
+    tokens, *_ = sample_jit(logits, padded, 4)
+    assert np.asarray(tokens)[1:].tolist() == np.argmax(logits[1:], axis=-1).tolist()
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=1), dict(min_p=0.99), dict(top_p=1e-6)], ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_filters_that_keep_one_token_equal_the_argmax(filters, temperature):
+    logits = random_logits(256, 64, seed=1)
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    # min_p=0.99 keeps only tokens with p >= 0.99 p_max, i.e. within 0.01 * T of the top logit: make the gap
+    # wider for every row.
+    logits[np.arange(256), np.argmax(logits, axis=-1)] += np.maximum(0.0, 0.05 - (top2[:, 1] - top2[:, 0]))
+    rows = sampling_rows(256, temperature=temperature, seed=np.arange(256), output_index=7, **filters)
+    tokens, *_ = sample_jit(logits, rows, 4)
+    assert np.asarray(tokens).tolist() == np.argmax(logits, axis=-1).tolist()
+
+
+# 40,000 independent draws (distinct seeds) from one row of logits. The Pearson statistic over k bins is
+# ~chi-square with k-1 dof; the bounds are its 1e-6 upper quantiles (scipy.stats.chi2.isf(1e-6, k - 1)), so
+# a correct sampler fails with probability 1e-6 (and, the seeds being fixed, deterministically passes).
+# At this N a bin off by 1.5 percentage points already pushes the statistic past the bound.
+NUM_DRAWS = 40_000
+CHI2_BOUND_1E6 = {1: 23.93, 2: 27.63, 3: 30.66, 4: 33.38, 5: 35.89, 6: 38.26, 7: 40.52}
+FLAT8 = np.array([1.0, 0.5, 0.0, -0.3, -1.0, 0.2, 0.8, -2.0], np.float32)
+
+
+def empirical_counts(logits: np.ndarray, **sampling) -> np.ndarray:
+    rows = sampling_rows(NUM_DRAWS, seed=np.arange(NUM_DRAWS), output_index=3, **sampling)
+    tokens, *_ = sample_jit(np.broadcast_to(logits, (NUM_DRAWS, logits.size)), rows, 2)
+    return np.bincount(np.asarray(tokens), minlength=logits.size)
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = NUM_DRAWS * probs
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_temperature_one_draws_follow_the_softmax():
+    probs = np.exp(log_softmax(FLAT8))
+    counts = empirical_counts(FLAT8, temperature=1.0)
+    assert chi_square(counts, probs) < CHI2_BOUND_1E6[len(probs) - 1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.7), SamplingParams(1.0, min_p=0.3)],
+    ids=["top_k", "top_p", "min_p"],
+)
+def test_filtered_draws_follow_the_host_oracle(params):
+    """Each filter against `sampling.filtered_probs`: nothing drawn outside the kept set, and the kept
+    tokens' frequencies follow the oracle's renormalised probabilities."""
+    probs = filtered_probs(FLAT8, params)
+    kept = probs > 0
+    assert 1 < kept.sum() < len(FLAT8) - 1  # the filter cuts, and leaves a distribution to test
+    fields = dataclasses.asdict(params)
+    del fields["seed"]
+    counts = empirical_counts(FLAT8, **fields)
+    assert counts[~kept].sum() == 0
+    assert chi_square(counts[kept], probs[kept]) < CHI2_BOUND_1E6[int(kept.sum()) - 1]
+
+
+def test_logprobs_are_the_log_softmax():
+    logits = random_logits(6, 300, seed=2)
+    rows = sampling_rows(6, temperature=[0.0, 1.0, 0.5, 0.0, 2.0, 1.0], top_k=[0, 0, 10, 0, 0, 3], seed=np.arange(6))
+    tokens, chosen, top_ids, top_lp = (np.asarray(x) for x in sample_jit(logits, rows, 20))
+    want = log_softmax(logits)
+    # fp32 log_softmax of logits of magnitude ~10: a few ulps of the log-sum-exp.
+    np.testing.assert_allclose(chosen, want[np.arange(6), tokens], atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(top_ids, np.argsort(-want, axis=-1, kind="stable")[:, :20])
+    np.testing.assert_allclose(top_lp, np.take_along_axis(want, top_ids, axis=-1), atol=2e-5, rtol=0)
+
+
+def test_draws_depend_on_seed_and_output_index_not_on_the_row():
+    """Randomness is keyed by (seed, output index): the same keys give the same tokens in any row order and
+    beside any other rows; another output index gives other tokens."""
+    flat = random_logits(1, 512, seed=3, scale=0.2)  # nearly flat over 512 ids
+    keyed = dict(temperature=np.ones(64), seed=np.arange(64) + 1000, output_index=np.arange(64) % 5)
+    tokens = np.asarray(sample_jit(np.repeat(flat, 64, axis=0), sampling_rows(64, **keyed), 2)[0])
+    # The same 64 rows shuffled among 32 others (greedy, and sampled with their own seeds).
+    others = dict(temperature=np.r_[np.zeros(16), np.full(16, 0.5)], seed=np.arange(32) + 5000,
+                  output_index=np.zeros(32, int))  # fmt: skip
+    order = np.random.default_rng(4).permutation(96)
+    columns = {k: np.concatenate([keyed[k], others[k]])[order] for k in keyed}
+    batch = np.asarray(sample_jit(np.repeat(flat, 96, axis=0), sampling_rows(96, **columns), 2)[0])
+    assert batch[np.argsort(order)[:64]].tolist() == tokens.tolist()
+    moved = sampling_rows(64, **(keyed | dict(output_index=keyed["output_index"] + 1)))
+    other = np.asarray(sample_jit(np.repeat(flat, 64, axis=0), moved, 2)[0])
+    # Two independent draws from a nearly flat 512-way distribution agree with probability ~1/500.
+    assert (other != tokens).sum() > 48

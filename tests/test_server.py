@@ -1,0 +1,349 @@
+"""The OpenAI-compatible server, driven by the official `openai` client against real uvicorn on loopback:
+completions and chat, streaming and not, logprobs, stop strings and stop ids, token-id prompts, ignore_eos,
+usage, metrics, the queue limit, client disconnects, and the `serve` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytest_plugins = ["_server"]
+
+PROMPT_IDS = [17, 230, 45, 301, 99, 12, 400, 77]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+
+
+def greedy(client, **kwargs):
+    fields = {"model": "tiny-test", "temperature": 0.0, "max_tokens": 12} | kwargs
+    return client.completions.create(**fields)
+
+
+# ---- completions ----------------------------------------------------------------------------------------
+
+
+def test_models_and_health(idle_server):
+    models = idle_server.client().models.list()
+    assert [m.id for m in models.data] == [idle_server.model_name]
+    health = httpx.get(f"{idle_server.root}/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_text_prompt_completion_has_usage(idle_server):
+    response = greedy(idle_server.client(), prompt="Hello there", max_tokens=8)
+    choice = response.choices[0]
+    assert response.object == "text_completion" and response.model == idle_server.model_name
+    assert isinstance(choice.text, str) and choice.finish_reason in ("stop", "length")
+    prompt_tokens = len(idle_server.model.tokenizer.encode("Hello there"))
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert 1 <= response.usage.completion_tokens <= 8
+    assert response.usage.total_tokens == prompt_tokens + response.usage.completion_tokens
+
+
+def test_token_id_prompt_with_ignore_eos_runs_to_max_tokens(idle_server):
+    client = idle_server.client()
+    first = greedy(client, prompt=PROMPT_IDS, max_tokens=20, extra_body={"ignore_eos": True})
+    assert first.usage.prompt_tokens == len(PROMPT_IDS)
+    assert first.usage.completion_tokens == 20 and first.choices[0].finish_reason == "length"
+    again = greedy(client, prompt=[PROMPT_IDS], max_tokens=20, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == first.choices[0].text, "greedy decoding must be deterministic"
+
+
+def test_seeded_sampling_is_reproducible(idle_server):
+    client = idle_server.client()
+    fields = dict(prompt=PROMPT_IDS, max_tokens=16, temperature=1.0, seed=1234, extra_body={"ignore_eos": True})
+    a, b = greedy(client, **fields), greedy(client, **fields)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_completion_logprobs(idle_server):
+    response = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=6, logprobs=3,
+                      extra_body={"ignore_eos": True})  # fmt: skip
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3
+        # Greedy: the chosen token is the most likely one.
+        assert chosen == pytest.approx(max(top.values()), abs=1e-5)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_stop_string_cuts_the_text(idle_server):
+    client = idle_server.client()
+    full = greedy(client, prompt=PROMPT_IDS, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
+    candidates = [full[i : i + 2] for i in range(2, len(full) - 2)]
+    stop = next(s for s in candidates if "\ufffd" not in s and s.strip())
+    cut = greedy(client, prompt=PROMPT_IDS, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids_end_the_output(idle_server):
+    every_id = list(range(idle_server.vocab_size))
+    response = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=10,
+                      extra_body={"ignore_eos": True, "stop_token_ids": every_id})  # fmt: skip
+    assert response.choices[0].finish_reason == "stop" and response.usage.completion_tokens == 1
+
+
+def test_streamed_completion_matches_the_plain_one(idle_server):
+    client = idle_server.client()
+    plain = greedy(client, prompt=PROMPT_IDS, max_tokens=16, extra_body={"ignore_eos": True})
+    chunks = list(greedy(client, prompt=PROMPT_IDS, max_tokens=16, stream=True,
+                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_raw_stream_ends_with_done(idle_server):
+    body = {"model": idle_server.model_name, "prompt": PROMPT_IDS, "max_tokens": 4, "stream": True}
+    response = httpx.post(f"{idle_server.base_url}/completions", json=body, headers=idle_server.headers())
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in response.text.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+
+
+# ---- chat -----------------------------------------------------------------------------------------------
+
+
+def test_chat_completion(idle_server):
+    response = idle_server.client().chat.completions.create(model=idle_server.model_name, messages=MESSAGES,
+                                                            max_tokens=8, temperature=0)  # fmt: skip
+    message = response.choices[0].message
+    assert response.object == "chat.completion" and message.role == "assistant" and isinstance(message.content, str)
+    assert response.usage.prompt_tokens == len(idle_server.model.tokenizer.encode_chat(MESSAGES))
+    assert 1 <= response.usage.completion_tokens <= 8
+
+
+def test_chat_default_max_tokens_and_max_completion_tokens(idle_server):
+    client = idle_server.client()
+    fields = dict(model=idle_server.model_name, messages=MESSAGES, extra_body={"ignore_eos": True})
+    default = client.chat.completions.create(**fields)
+    assert default.usage.completion_tokens == idle_server.default_chat_max_tokens
+    capped = client.chat.completions.create(max_completion_tokens=5, **fields)
+    assert capped.usage.completion_tokens == 5 and capped.choices[0].finish_reason == "length"
+
+
+def test_chat_logprobs(idle_server):
+    response = idle_server.client().chat.completions.create(
+        model=idle_server.model_name, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = response.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2 and entry.bytes is not None
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
+    text = bytes(b for entry in content for b in entry.bytes).decode("utf-8", errors="replace")
+    assert text == response.choices[0].message.content
+
+
+def test_streamed_chat(idle_server):
+    client = idle_server.client()
+    fields = dict(model=idle_server.model_name, messages=MESSAGES, max_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    plain = client.chat.completions.create(**fields)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **fields))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_developer_role_and_text_parts(idle_server):
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]}]  # fmt: skip
+    response = idle_server.client().chat.completions.create(model=idle_server.model_name, messages=messages,
+                                                            max_tokens=3)  # fmt: skip
+    expected = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say\nhello."}]
+    assert response.usage.prompt_tokens == len(idle_server.model.tokenizer.encode_chat(expected))
+
+
+# ---- metrics --------------------------------------------------------------------------------------------
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{server.root}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
+def test_metrics_parse_and_move(idle_server):
+    before = scrape(idle_server)
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_ratio", "slot_usage_ratio"):
+        assert (f"qwen35_jax_{name}", ()) in before
+    greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=7, extra_body={"ignore_eos": True})
+    after = scrape(idle_server)
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert moved("qwen35_jax_prompt_tokens_total") == len(PROMPT_IDS)
+    assert moved("qwen35_jax_generation_tokens_total") == 7
+    assert moved("qwen35_jax_requests_finished_total", (("finish_reason", "length"),)) == 1
+    assert moved("qwen35_jax_time_to_first_token_seconds_count") == 1
+    assert moved("qwen35_jax_inter_token_latency_seconds_count") == 6
+    assert moved("qwen35_jax_e2e_request_latency_seconds_count") == 1
+
+
+def test_metrics_show_a_running_request(idle_server):
+    stream = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=100, stream=True,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+    with stream:
+        next(iter(stream))
+        during = scrape(idle_server)
+    assert during[("qwen35_jax_num_requests_running", ())] == 1
+    assert during[("qwen35_jax_kv_cache_usage_ratio", ())] > 0
+    assert during[("qwen35_jax_slot_usage_ratio", ())] > 0
+    assert during[("qwen35_jax_http_requests_active", ())] == 1
+
+
+# ---- the queue limit and disconnects -------------------------------------------------------------------
+
+
+def test_full_queue_answers_429(idle_server):
+    client = idle_server.client()
+    max_batch = idle_server.engine_config.max_batch
+    idle_server.server.max_queue = 0
+    streams = []
+    try:
+        for _ in range(max_batch):
+            streams.append(greedy(client, prompt=PROMPT_IDS, max_tokens=100, stream=True,
+                                  extra_body={"ignore_eos": True}))  # fmt: skip
+            next(iter(streams[-1]))
+        with pytest.raises(openai.RateLimitError) as caught:
+            greedy(client, prompt=PROMPT_IDS, max_tokens=2)
+        assert caught.value.status_code == 429 and "--max-queue" in caught.value.message
+    finally:
+        idle_server.server.max_queue = idle_server.max_queue
+        for stream in streams:
+            stream.close()
+    assert greedy(client, prompt=PROMPT_IDS, max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_fifty_clients_that_disconnect_leave_every_slot_and_page_free(idle_server):
+    async def one(client, i: int) -> None:
+        stream = await client.completions.create(
+            model=idle_server.model_name, prompt=PROMPT_IDS + [i % 200], max_tokens=100, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        received = 0
+        async for _ in stream:
+            received += 1
+            if received > i % 4:  # leave after 1..4 chunks
+                break
+        await stream.close()
+
+    async def main() -> None:
+        client = openai.AsyncOpenAI(base_url=idle_server.base_url, api_key=idle_server.api_key, max_retries=0,
+                                    timeout=120)  # fmt: skip
+        async with client:
+            await asyncio.gather(*(one(client, i) for i in range(50)))
+
+    before = scrape(idle_server).get(("qwen35_jax_requests_finished_total", (("finish_reason", "abort"),)), 0)
+    asyncio.run(main())
+    state = idle_server.wait_idle(deadline_s=120)
+    assert not any(state.values()), f"pools not free after the disconnects: {state}"
+    aborted = scrape(idle_server)[("qwen35_jax_requests_finished_total", (("finish_reason", "abort"),))] - before
+    assert aborted == 50, "every request was left mid-stream, so every one must have been aborted"
+    assert greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_a_non_streaming_client_that_leaves_aborts_its_request(idle_server):
+    before = scrape(idle_server).get(("qwen35_jax_requests_finished_total", (("finish_reason", "abort"),)), 0)
+    body = {"model": idle_server.model_name, "prompt": PROMPT_IDS[:2], "max_tokens": 120, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{idle_server.base_url}/completions", json=body, headers=idle_server.headers(), timeout=0.05)
+    state = idle_server.wait_idle()
+    assert not any(state.values()), state
+    after = scrape(idle_server)[("qwen35_jax_requests_finished_total", (("finish_reason", "abort"),))]
+    assert after - before == 1
+
+
+# ---- the command line -----------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def no_weight_loads(monkeypatch):
+    import qwen35_jax.api
+
+    def fail(*args, **kwargs):
+        raise AssertionError("weights were loaded before the flags were checked")
+
+    monkeypatch.setattr(qwen35_jax.api, "load_model", fail)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--max-batch", "0"], "--max-batch"),
+        (["--max-prefill-tokens", "4"], "--max-prefill-tokens"),
+        (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
+        (["--decode-overlap", "stream"], "--decode-overlap"),
+        (["--scheduler-policy", "fast"], "--scheduler-policy"),
+        (["--kernels", "pallas"], "--kernels"),
+        (["--num-pages", "1"], "--num-pages"),
+        (["--max-model-len", "100000"], "--max-model-len"),
+        (["--port", "70000"], "--port"),
+        (["--max-queue", "-1"], "--max-queue"),
+        (["--api-key", ""], "--api-key"),
+        (["--model", "/no/such/folder"], "--model"),
+    ],
+)
+def test_serve_flags_are_checked_before_any_weight_loads(flags, named, no_weight_loads, capsys):
+    from qwen35_jax.cli import main
+
+    assert main(["serve", "--model", "tiny", *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_serve_refuses_a_taken_port(no_weight_loads, capsys):
+    from qwen35_jax.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "tiny", "--port", str(port)]) == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_serve_command_starts_announces_and_serves(live_server, tmp_path):
+    """The real `qwen35-jax serve` in a subprocess, with the session's compilation cache (so it is quick)."""
+    command = [sys.executable, "-m", "qwen35_jax.cli", "serve", "--model", "tiny", "--dtype", "float32",
+               "--port", "0", "--max-batch", "4", "--max-prefill-tokens", "16", "--max-model-len", "128",
+               "--compile-cache", live_server.compile_cache, "--served-model-name", "cli-tiny"]  # fmt: skip
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True,
+                                   env=os.environ | {"JAX_PLATFORMS": "cpu"})  # fmt: skip
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("qwen35-jax serving cli-tiny on http://127.0.0.1:"), (line, stderr.read_text())
+        url = line.split(" on ")[1].split()[0]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        response = client.completions.create(model="cli-tiny", prompt=PROMPT_IDS, max_tokens=3)
+        assert response.usage.completion_tokens >= 1
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        finally:
+            process.kill()
+    progress = stderr.read_text()
+    assert "loading weights" in progress and "compiling step programs" in progress
+    assert process.stdout.read() == "", "start-up must print exactly one line to stdout"
