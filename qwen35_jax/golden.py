@@ -53,7 +53,13 @@ def golden_runs(golden: dict) -> list[GoldenRun]:
     """
     a = golden["arrays"]
     runs = [
-        GoldenRun(f"prefill L={int(n)}", a[f"prefill_tokens_{i}"], 0, a[f"prefill_logits_fp32_{i}"], a[f"prefill_logits_bf16_{i}"])
+        GoldenRun(
+            f"prefill L={int(n)}",
+            a[f"prefill_tokens_{i}"],
+            0,
+            a[f"prefill_logits_fp32_{i}"],
+            a[f"prefill_logits_bf16_{i}"],
+        )
         for i, n in enumerate(a["prefill_lengths"])
     ]
     prompt, steps = a["decode_prompt"], a["decode_tokens"]

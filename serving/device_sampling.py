@@ -45,7 +45,7 @@ def _keep_mask(sorted_probs, top_k, top_p, min_p):
     ranks = jnp.arange(sorted_probs.shape[-1])[None, :]
     keep = jnp.where(top_k[:, None] > 0, ranks < top_k[:, None], True)
     exclusive_cumsum = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep &= exclusive_cumsum < 1.0
+    keep &= exclusive_cumsum < top_p[:, None]
     keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
     return keep | (ranks == 0)
 

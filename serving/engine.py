@@ -299,5 +299,6 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        self._drain_inbox()  # requests submitted but never picked up must be ended too, or their consumers hang
         for request_id in list(self.generations):
             self._finish(request_id, "abort", emit=True, error="engine shut down")

@@ -12,12 +12,24 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_TOP_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 4.0 as an integer; strict pydantic would not. Booleans stay refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field: strict (no "5", no true), but an integral float such as 4.0 is taken.
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[Int, Field(ge=0)]
 
 
 class _Strict(BaseModel):
@@ -35,20 +47,20 @@ class SamplingFields(_Strict):
     """What completions and chat completions share."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1, description="-1 or 0 turns it off")] | None = None
+    top_k: Annotated[Int, Field(ge=-1, description="-1 or 0 turns it off")] | None = None
     min_p: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
-    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    seed: Annotated[Int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     stop: StopStrings | Annotated[list[StopStrings], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=1024)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Accepted only at their neutral values (see `unsupported_params`).
-    n: int | None = None
+    n: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -80,10 +92,10 @@ def _neutral_problems(request: SamplingFields) -> list[tuple[str, str]]:
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | list[str] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    prompt: str | Annotated[list[Int], Field(min_length=1)] | list[str] | list[list[Int]]
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
 
@@ -118,9 +130,9 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
