@@ -57,7 +57,7 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"longest prompt + output, in tokens (default: the model's, at most {defaults.max_model_len})")  # fmt: skip
     p.add_argument("--gpu-memory-fraction", type=float, default=defaults.gpu_memory_fraction,
-                   help="share of free device memory for weights' neighbours: KV pages and state slots")  # fmt: skip
+                   help="fraction of free device memory for the KV pool and state slots")  # fmt: skip
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
     p.add_argument("--scheduler-policy", default=defaults.scheduler_policy, help="prefill budget policy: off|auto")
     p.add_argument("--decode-overlap", default=defaults.decode_overlap, help="off|stream")
@@ -208,5 +208,7 @@ def _serve_on(sock, args, config, cfg) -> None:
     engine.start()
     try:
         http.UvicornServer(app, on_started=announce).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl+C it caught
+        pass
     finally:
         engine.shutdown()

@@ -544,6 +544,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if kind == "extra_forbidden":
         return f"unknown parameter {'.'.join(loc)!r}: this server does not support it", ".".join(loc)
+    if kind == "model_attributes_type" and not loc:
+        return "the request body must be a JSON object (sent with Content-Type: application/json)", None
     if kind == "missing" and not loc:
         return "the request body is missing: send a JSON object", None
     if kind == "missing":

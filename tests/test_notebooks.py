@@ -9,8 +9,12 @@ at another Python, the test writes its own "python3" kernelspec (argv: sys.execu
 temporary folder and puts that folder first on JUPYTER_PATH, which jupyter_client searches before the user, venv and
 system kernel folders. Nothing is installed outside the temporary folder.
 
-The kernel inherits the environment; JAX_PLATFORMS defaults to cpu there (the goldens and the fp32 limit are for
-CPU: a GPU may run fp32 matmuls at reduced precision), unless the caller set it.
+The kernel inherits the environment, with two defaults (a value the caller set wins):
+- JAX_PLATFORMS=cpu (conftest.py's default too): the fp32 limit is for CPU, where fp32 matmuls are exact fp32.
+- the session's persistent XLA compilation cache (conftest.py's compile_cache_dir). Nearly all of the notebook's
+  time is XLA compiling one program per (case, dtype, 64-token bucket); tests/test_golden.py runs the same full
+  prefills earlier in the session (and writes them to that cache once an engine has enabled it), so in a full-suite
+  run the kernel loads them instead of compiling. Run alone, the notebook compiles everything (about 90 s of CPU).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ NOTEBOOKS = ROOT / "notebooks"
 
 
 @pytest.fixture
-def python3_kernel(tmp_path, monkeypatch):
+def python3_kernel(tmp_path, monkeypatch, compile_cache_dir):
     spec_dir = tmp_path / "jupyter" / "kernels" / "python3"
     spec_dir.mkdir(parents=True)
     spec = {
@@ -39,8 +43,15 @@ def python3_kernel(tmp_path, monkeypatch):
     }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    if "JAX_PLATFORMS" not in os.environ:
-        monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    defaults = {
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": compile_cache_dir,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+    for key, value in defaults.items():
+        if key not in os.environ:
+            monkeypatch.setenv(key, value)
     return "python3"
 
 

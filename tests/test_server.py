@@ -147,7 +147,9 @@ def test_chat_logprobs(idle_server):
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2 and entry.bytes is not None
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)
-    text = bytes(b for entry in content for b in entry.bytes).decode("utf-8", errors="replace")
+    tokenizer = idle_server.model.tokenizer
+    special = {tokenizer.id_to_token(i) for i in tokenizer.special_token_ids}  # skipped in the text
+    text = bytes(b for e in content if e.token not in special for b in e.bytes).decode("utf-8", errors="replace")
     assert text == response.choices[0].message.content
 
 
@@ -254,12 +256,17 @@ def test_fifty_clients_that_disconnect_leave_every_slot_and_page_free(idle_serve
         async with client:
             await asyncio.gather(*(one(client, i) for i in range(50)))
 
-    before = scrape(idle_server).get(("qwen35_jax_requests_finished_total", (("finish_reason", "abort"),)), 0)
+    def finished(reason: str) -> float:
+        return scrape(idle_server).get(("qwen35_jax_requests_finished_total", (("finish_reason", reason),)), 0)
+
+    aborted_before, length_before = finished("abort"), finished("length")
     asyncio.run(main())
     state = idle_server.wait_idle(deadline_s=120)
     assert not any(state.values()), f"pools not free after the disconnects: {state}"
-    aborted = scrape(idle_server)[("qwen35_jax_requests_finished_total", (("finish_reason", "abort"),))] - before
-    assert aborted == 50, "every request was left mid-stream, so every one must have been aborted"
+    aborted, ran_out = finished("abort") - aborted_before, finished("length") - length_before
+    # Every client leaves after at most 4 of its 100 tokens; only a client stalled for ~100 engine steps
+    # could see its request finish first.
+    assert aborted + ran_out == 50 and aborted >= 40, (aborted, ran_out)
     assert greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=2).usage.completion_tokens >= 1
 
 
@@ -330,7 +337,7 @@ def test_serve_command_starts_announces_and_serves(live_server, tmp_path):
     stderr = tmp_path / "stderr.txt"
     with stderr.open("w") as err:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True,
-                                   env=os.environ | {"JAX_PLATFORMS": "cpu"})  # fmt: skip
+                                   env=os.environ)  # fmt: skip
     try:
         line = process.stdout.readline()
         assert line.startswith("qwen35-jax serving cli-tiny on http://127.0.0.1:"), (line, stderr.read_text())
