@@ -7,7 +7,7 @@
 Prompts are random token ids (sent to /v1/completions as a list of ids, so every server sees exactly
 `--input-len` prompt tokens) and every request asks for `--output-len` tokens with `ignore_eos`. Requests
 go out at a Poisson `--request-rate` (inf: all at once), at most `--max-concurrency` in flight. Each is
-streamed: TTFT is the time to the first text chunk, ITL the gaps between chunks, TPOT the decode time per
+streamed: TTFT is the time to the first token's chunk, ITL the gaps between chunks, TPOT the decode time per
 output token after the first, E2E the whole request.
 """
 
@@ -125,8 +125,9 @@ async def send_one(client, args, model: str, prompt: list[int]) -> RequestResult
                     return result
                 if event.get("usage"):
                     result.output_tokens = event["usage"]["completion_tokens"]
-                if not event.get("choices") or not event["choices"][0].get("text"):
-                    continue
+                choices = event.get("choices") or [{}]
+                if not choices[0].get("text") and choices[0].get("finish_reason", "") is not None:
+                    continue  # no token in it: a usage-only chunk, or a finish without text
                 now = time.perf_counter()
                 if chunks == 0:
                     result.ttft = now - start

@@ -425,8 +425,8 @@ async def stream(server: OpenAIServer, prepared: Prepared, submission: Submissio
             if error is not None:
                 yield _sse(error_body(error.status, error.message, error.param, error.code))
                 break
-            if not output.text and not output.logprobs and output.finish_reason is None:
-                continue  # a token that ends inside a multi-byte character: nothing to say yet
+            # One chunk per token, even when its text is empty (it ends inside a multi-byte character), so
+            # that clients can time every token.
             want_logprobs = prepared.params.logprobs is not None
             if chat:
                 logprobs = server.chat_logprobs(output.logprobs or []) if want_logprobs else None
