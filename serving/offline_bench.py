@@ -1,0 +1,176 @@
+"""Offline engine benchmark (no HTTP): decode TPOT and throughput per batch at a given context, prefill
+throughput per prompt length, compile times; each figure beside its roofline floor.
+
+    python -m qwen35_jax.serving.offline_bench --model 4b --batches 1,16,64,256 --context 1024 \\
+        --prefill 1024,8192 --result-json engine.json
+
+Floors (H200): decode step >= bytes read per step / 4.3 TB/s (every weight once, the KV of every row's
+context, the GDN state read and written); prefill >= bf16 FLOPs / 790 TFLOP/s (2 x non-embedding
+params x tokens, plus causal attention). Requests run through the real engine (scheduler, runner,
+one-step-late reads), with random prompts and ignore_eos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import numpy as np
+
+HBM_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 790e12
+
+
+def decode_floor_bytes(cfg, batch: int, context: int, dtype_bytes: int = 2) -> int:
+    from qwen35_jax.weights import weight_specs
+
+    weights = sum(int(np.prod(s.shape)) * len(s.hf_keys) for s in weight_specs(cfg, np.float32)) * dtype_bytes
+    kv = batch * context * cfg.num_full_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    gdn = batch * cfg.num_linear_layers * state * 2  # read and write back
+    return weights + kv + gdn
+
+
+def prefill_floor_flops(cfg, tokens: int) -> float:
+    from qwen35_jax.weights import weight_specs
+
+    params = sum(int(np.prod(s.shape)) * len(s.hf_keys) for s in weight_specs(cfg, np.float32))
+    dense = 2 * (params - cfg.vocab_size * cfg.hidden_size) * tokens
+    attention = 2 * 2 * (tokens * tokens / 2) * cfg.num_attention_heads * cfg.head_dim * cfg.num_full_layers
+    return dense + attention + 2 * cfg.vocab_size * cfg.hidden_size  # lm_head for the last token
+
+
+@dataclasses.dataclass
+class StepClock:
+    """Wall time of each engine.step() call with the plan it launched; in steady state one step() is
+    launch(N) + wait(N-1), so its duration is the device time of one step."""
+
+    records: list = dataclasses.field(default_factory=list)
+
+    def run(self, engine, until) -> None:
+        while not until():
+            plan_before = engine.scheduler._next_step_id
+            start = time.perf_counter()
+            engine.step()
+            self.records.append((plan_before, engine._in_flight, time.perf_counter() - start))
+
+
+def _random_prompt(rng, n: int, vocab: int) -> list[int]:
+    return rng.integers(0, min(vocab, 248044), n).tolist()
+
+
+def bench_decode(engine, cfg, batch: int, context: int, steps: int, rng) -> dict:
+    from qwen35_jax.serving.engine import GenerationParams
+
+    done = []
+    max_tokens = batch + steps + 8  # every row is still decoding when the last prompt is in
+    for _ in range(batch):
+        engine.submit(_random_prompt(rng, context, cfg.vocab_size), GenerationParams(max_tokens, ignore_eos=True),
+                      lambda o: done.append(o) if o.finish_reason else None)  # fmt: skip
+    clock = StepClock()
+    clock.run(engine, lambda: len(done) == batch)
+    full = [seconds for _, handle, seconds in clock.records
+            if handle is not None and handle.plan.action == "decode" and len(handle.plan.decode) == batch]  # fmt: skip
+    steady = full[2 : 2 + steps]  # skip the first full steps: the previous step may still be a prefill
+    tpot = statistics.median(steady)
+    floor = decode_floor_bytes(cfg, batch, context) / HBM_BYTES_PER_S
+    return {
+        "batch": batch, "context": context, "steps_measured": len(steady), "tpot_ms": tpot * 1e3,
+        "tpot_p90_ms": float(np.percentile(steady, 90)) * 1e3, "throughput_tok_s": batch / tpot,
+        "floor_ms": floor * 1e3, "ratio_to_floor": tpot / floor, "roofline_fraction": floor / tpot,
+    }  # fmt: skip
+
+
+def bench_prefill(engine, cfg, tokens: int, repeats: int, rng) -> dict:
+    from qwen35_jax.serving.engine import GenerationParams
+
+    times, first = [], []
+
+    def on_output(output):
+        if output.token_ids:
+            first.append(time.perf_counter())
+
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.submit(_random_prompt(rng, tokens, cfg.vocab_size), GenerationParams(1, ignore_eos=True), on_output)
+        engine.run_until_done()
+        times.append(first[-1] - start)
+    best = min(times)
+    floor = prefill_floor_flops(cfg, tokens) / BF16_FLOPS_PER_S
+    return {
+        "tokens": tokens, "ttft_ms_best": best * 1e3, "ttft_ms_median": statistics.median(times) * 1e3,
+        "throughput_tok_s": tokens / best, "floor_ms": floor * 1e3, "ratio_to_floor": best / floor,
+        "roofline_fraction": floor / best,
+    }  # fmt: skip
+
+
+def build(args, model, batches: list[int], chunks: list[int], max_model_len: int):
+    """An engine whose bucket set is exactly what this measurement needs (and the unified steps between)."""
+    from qwen35_jax.serving.factory import EngineConfig, build_engine
+    from qwen35_jax.serving.runner import Buckets
+
+    config = EngineConfig(
+        max_batch=batches[-1], max_prefill_tokens=chunks[-1], max_model_len=max_model_len,
+        gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache,
+    )  # fmt: skip
+    engine = build_engine(model, config, compile_now=False)
+    engine.runner.buckets = Buckets(decode=tuple(batches), prefill_rows=(1,), chunk=tuple(chunks))
+    start = time.perf_counter()
+    engine.runner.compile_all()
+    return engine, time.perf_counter() - start
+
+
+def _release(engine) -> None:
+    import gc
+
+    engine.runner.cache = engine.runner.token_state = None
+    gc.collect()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="4b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kernels", default="ref")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--prefill", default="1024,8192")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.85)
+    parser.add_argument("--compile-cache", default=None)
+    parser.add_argument("--ready-only", action="store_true", help="build and compile, report times, exit")
+    parser.add_argument("--result-json", default=None)
+    args = parser.parse_args(argv)
+    from qwen35_jax.api import load_model
+
+    start = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype, kernels=args.kernels)
+    load_s = time.perf_counter() - start
+    batches = sorted(int(b) for b in args.batches.split(","))
+    chunks = sorted(int(t) for t in args.prefill.split(","))
+    rng = np.random.default_rng(0)
+    # Decode: the page table spans only context + generated tokens, as a server sized for it would.
+    engine, compile_decode = build(args, model, batches, [args.context], args.context + batches[-1] + args.steps + 32)
+    result = {"model": args.model, "kernels": args.kernels, "load_s": load_s,
+              "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
+    print(json.dumps(result), flush=True)
+    if not args.ready_only:
+        result["decode"] = [bench_decode(engine, model.config, b, args.context, args.steps, rng) for b in batches]
+        print(json.dumps(result["decode"]), flush=True)
+    result["compile_seconds_decode_engine"] = {str(k): v for k, v in engine.runner.compile_seconds.items()}
+    _release(engine)
+    if not args.ready_only:
+        engine, result["compile_s_prefill_engine"] = build(args, model, [1], chunks, chunks[-1] + 16)
+        result["prefill"] = [bench_prefill(engine, model.config, t, 3, rng) for t in chunks]
+        print(json.dumps(result["prefill"]), flush=True)
+        result["compile_seconds_prefill_engine"] = {str(k): v for k, v in engine.runner.compile_seconds.items()}
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
