@@ -7,9 +7,9 @@ Rounding follows HF: the conv result is rounded to the model dtype before the Si
 Layouts:
     x          [P, T, C] (prefill) or [B, C] (one-token update), model dtype
     weight     [C, K] model dtype
-    conv_pool  [L, S, K-1, C] model dtype, oldest input first;  layer int32 scalar;  slots [rows] int32
-    lengths    [P] valid tokens per row;  fresh [P] bool (start from a zero state)
-Returns y (same shape as x, model dtype) and the pool with each row's last K-1 valid inputs written back.
+    conv_state [rows, K-1, C] model dtype, oldest input first (zeros for a fresh sequence)
+    lengths    [P] valid tokens per row
+Returns y (same shape as x, model dtype) and each row's new conv state: its last K-1 valid inputs.
 """
 
 from __future__ import annotations
@@ -27,19 +27,15 @@ def _conv_silu(window: jax.Array, weight: jax.Array, out_len: int) -> jax.Array:
     return jax.nn.silu(acc).astype(window.dtype)
 
 
-def causal_conv1d_prefill_ref(x, weight, conv_pool, layer, slots, lengths, fresh):
-    seq = x.shape[1]
-    history = conv_pool[layer, slots]  # [P, K-1, C]
-    history = jnp.where(fresh[:, None, None], jnp.zeros_like(history), history)
-    window = jnp.concatenate([history.astype(x.dtype), x], axis=1)
+def causal_conv1d_prefill_ref(x, weight, conv_state, lengths):
+    seq, keep = x.shape[1], conv_state.shape[1]
+    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
     y = _conv_silu(window, weight, seq)
-    keep = history.shape[1]
-    new_history = jax.vmap(lambda w, n: lax.dynamic_slice_in_dim(w, n, keep, axis=0))(window, lengths)
-    return y, conv_pool.at[layer, slots].set(new_history.astype(conv_pool.dtype))
+    new_state = jax.vmap(lambda w, n: lax.dynamic_slice_in_dim(w, n, keep, axis=0))(window, lengths)
+    return y, new_state.astype(conv_state.dtype)
 
 
-def causal_conv1d_update_ref(x, weight, conv_pool, layer, slots):
-    history = conv_pool[layer, slots]  # [B, K-1, C]
-    window = jnp.concatenate([history.astype(x.dtype), x[:, None, :]], axis=1)
+def causal_conv1d_update_ref(x, weight, conv_state):
+    window = jnp.concatenate([conv_state.astype(x.dtype), x[:, None, :]], axis=1)
     y = _conv_silu(window, weight, 1)[:, 0]
-    return y, conv_pool.at[layer, slots].set(window[:, 1:].astype(conv_pool.dtype))
+    return y, window[:, 1:].astype(conv_state.dtype)

@@ -8,22 +8,23 @@ Layouts:
     q, k        [B, nk, dk]   model dtype (after conv + SiLU)
     v           [B, nv, dv]   model dtype
     g           [B, nv]       fp32;  beta [B, nv] model dtype
-    state_pool  [L, S, nv, dk, dv] fp32;  layer int32 scalar;  slots [B] int32
-Returns o [B, nv, dv] in v's dtype and the pool with rows `slots` of `layer` replaced. Padding rows point at
-the engine's trash slot, so their writes land where nobody reads.
+    state       [B, nv, dk, dv] fp32: each row's recurrent state for this layer
+Returns o [B, nv, dv] in v's dtype and the new state (a kernel may update `state` in place: the model
+gathers the step's rows from the slot pool once per step and scatters them back once).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+
 from qwen35_jax.kernels.gdn_prefill import prepare_qk
 
 
-def gdn_decode_ref(q, k, v, g, beta, state_pool, layer, slots):
+def gdn_decode_ref(q, k, v, g, beta, state):
     q, k = prepare_qk(q, k, v.shape[-2])
-    state = state_pool[layer, slots] * jnp.exp(g.astype(jnp.float32))[..., None, None]
+    state = state * jnp.exp(g.astype(jnp.float32))[..., None, None]
     v32 = v.astype(jnp.float32)
     u = beta.astype(jnp.float32)[..., None] * (v32 - jnp.einsum("bhde,bhd->bhe", state, k))
     state = state + k[..., :, None] * u[..., None, :]
     out = jnp.einsum("bhde,bhd->bhe", state, q)
-    return out.astype(v.dtype), state_pool.at[layer, slots].set(state)
+    return out.astype(v.dtype), state

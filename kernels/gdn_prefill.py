@@ -13,11 +13,9 @@ Layouts:
     v           [P, T, nv, dv]   model dtype
     g           [P, T, nv]       fp32 (log decay, <= 0)
     beta        [P, T, nv]       model dtype
-    state_pool  [L, S, nv, dk, dv] fp32: every GDN layer's recurrent state, by slot
-    layer       int32 scalar: which GDN layer of the pool this call reads and writes
-    slots       [P] int32: the slot of each row;  lengths [P]: valid tokens of each row (the tail is padding)
-    fresh       [P] bool: the row starts a new sequence (initial state zero, whatever the slot holds)
-Returns o [P, T, nv, dv] in q's dtype and the updated pool. Padding tokens (index >= length) leave the
+    state       [P, nv, dk, dv] fp32: each row's recurrent state before the chunk (zeros for a new sequence)
+    lengths     [P] int32: valid tokens of each row (the tail is padding)
+Returns o [P, T, nv, dv] in q's dtype and each row's state after its last valid token. Padding tokens (index >= length) leave the
 state untouched: their beta, g and k are zeroed, which makes each of their updates the identity.
 """
 
@@ -72,7 +70,7 @@ def _chunk_scan(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 2), state
 
 
-def gdn_chunked_prefill_ref(q, k, v, g, beta, state_pool, layer, slots, lengths, fresh):
+def gdn_chunked_prefill_ref(q, k, v, g, beta, state, lengths):
     num_rows, seq, num_heads, dv = v.shape
     q, k = prepare_qk(q, k, num_heads)
     valid = (jnp.arange(seq)[None, :] < lengths[:, None])[..., None]  # [P, T, 1]
@@ -87,7 +85,6 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state_pool, layer, slots, lengths,
         x = jnp.moveaxis(x, 2, 1)
         return x.reshape(x.shape[:2] + (n, CHUNK) + x.shape[3:])
 
-    state = jnp.where(fresh[:, None, None, None], 0.0, state_pool[layer, slots])
     out, state = _chunk_scan(chunked(q), chunked(k), chunked(v.astype(jnp.float32)), chunked(g), chunked(beta), state)
     out = jnp.moveaxis(out.reshape(num_rows, num_heads, n * CHUNK, dv), 1, 2)[:, :seq]
-    return out.astype(v.dtype), state_pool.at[layer, slots].set(state)
+    return out.astype(v.dtype), state

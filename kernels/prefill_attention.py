@@ -15,6 +15,7 @@ Returns o [P, T, H, D] in q's dtype.
 from __future__ import annotations
 
 import jax.numpy as jnp
+
 from qwen35_jax.kernels.decode_attention import attend, gather_pages
 
 

@@ -108,12 +108,28 @@ class StepContext:
             prefill = x[num_decode:].reshape(side.num_rows, side.chunk, *x.shape[1:])
         return decode, prefill
 
+    def split_rows(self, x: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
+        """Per-row arrays [B + P, ...] (one entry per request row) -> (decode rows, prefill rows)."""
+        num_decode = self.inputs.num_decode
+        decode = x[:num_decode] if self.inputs.decode is not None else None
+        prefill = x[num_decode:] if self.inputs.prefill is not None else None
+        return decode, prefill
+
     @staticmethod
     def join(decode: jax.Array | None, prefill: jax.Array | None) -> jax.Array:
         parts = [] if decode is None else [decode]
         if prefill is not None:
             parts.append(prefill.reshape(-1, *prefill.shape[2:]))
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GdnState:
+    """The GDN states of one step's rows (decode rows, then prefill rows), gathered from the slot pools."""
+
+    ssm: jax.Array  # [..., R, v_heads, dk, dv] fp32
+    conv: jax.Array  # [..., R, K-1, conv_dim] model dtype
 
 
 class GatedDeltaNet(nnx.Module):
@@ -138,39 +154,42 @@ class GatedDeltaNet(nnx.Module):
                 k.reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
                 v.reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim))  # fmt: skip
 
-    def _decode(self, ctx, cache, layer, mixed, g, beta):
-        side = ctx.inputs.decode
+    def _decode(self, ctx, mixed, g, beta, ssm, conv):
         weight = self.conv1d.weight[...][:, 0, :]
-        mixed, conv = ctx.mixers.conv_update(mixed, weight, cache.conv, layer, side.slots)
+        mixed, conv = ctx.mixers.conv_update(mixed, weight, conv)
         q, k, v = self._split_qkv(mixed)
-        out, ssm = ctx.mixers.gdn_decode(q, k, v, g, beta, cache.ssm, layer, side.slots)
-        return out, dataclasses.replace(cache, conv=conv, ssm=ssm)
+        out, ssm = ctx.mixers.gdn_decode(q, k, v, g, beta, ssm)
+        return out, ssm, conv
 
-    def _prefill(self, ctx, cache, layer, mixed, g, beta):
-        side = ctx.inputs.prefill
+    def _prefill(self, ctx, mixed, g, beta, ssm, conv):
+        lengths = ctx.inputs.prefill.lengths
         weight = self.conv1d.weight[...][:, 0, :]
-        mixed, conv = ctx.mixers.conv_prefill(mixed, weight, cache.conv, layer, side.slots, side.lengths, side.fresh)
+        mixed, conv = ctx.mixers.conv_prefill(mixed, weight, conv, lengths)
         q, k, v = self._split_qkv(mixed)
-        out, ssm = ctx.mixers.gdn_prefill(q, k, v, g, beta, cache.ssm, layer, side.slots, side.lengths, side.fresh)
-        return out, dataclasses.replace(cache, conv=conv, ssm=ssm)
+        out, ssm = ctx.mixers.gdn_prefill(q, k, v, g, beta, ssm, lengths)
+        return out, ssm, conv
 
-    def __call__(self, x, cache: Cache, layer, ctx: StepContext):
+    def __call__(self, x, state: GdnState, ctx: StepContext):
+        """x [N, hidden]; state: this layer's rows (decode rows first, then prefill rows)."""
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x)
         beta = jax.nn.sigmoid(self.in_proj_b(x))
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-        mixed_d, mixed_p = ctx.split(mixed)
-        (g_d, g_p), (beta_d, beta_p) = ctx.split(g), ctx.split(beta)
-        out_d = out_p = None
-        if mixed_d is not None:
-            out_d, cache = self._decode(ctx, cache, layer, mixed_d, g_d, beta_d)
-        if mixed_p is not None:
-            out_p, cache = self._prefill(ctx, cache, layer, mixed_p, g_p, beta_p)
-        out = StepContext.join(out_d, out_p)  # [N, nv, dv]
-        z = z.reshape(out.shape)
-        out = self.norm(out, z).reshape(x.shape[0], -1)
-        return self.out_proj(out), cache
+        sides = (ctx.split(mixed), ctx.split(g), ctx.split(beta), ctx.split_rows(state.ssm), ctx.split_rows(state.conv))
+        outs, ssms, convs = [], [], []
+        for run, (mixed_s, g_s, beta_s, ssm_s, conv_s) in zip(
+            (self._decode, self._prefill), zip(*sides, strict=True), strict=True
+        ):
+            if mixed_s is not None:
+                out, ssm_s, conv_s = run(ctx, mixed_s, g_s, beta_s, ssm_s, conv_s)
+                outs.append(out.reshape(-1, *out.shape[-2:]))
+                ssms.append(ssm_s)
+                convs.append(conv_s)
+        out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv, dv]
+        out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)
+        new_state = GdnState(jnp.concatenate(ssms), jnp.concatenate(convs))
+        return self.out_proj(out), new_state
 
 
 def rotate_half(x):
@@ -248,11 +267,14 @@ class DecoderLayer(nnx.Module):
             self.self_attn = Attention(cfg, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def __call__(self, h, cache, layer, ctx):
-        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
-        out, cache = mixer(self.input_layernorm(h), cache, layer, ctx)
+    def __call__(self, h, cache, layer, state, ctx):
+        """Linear layers read and return their GdnState; the attention layer reads and returns the KV pages."""
+        if hasattr(self, "linear_attn"):
+            out, state = self.linear_attn(self.input_layernorm(h), state, ctx)
+        else:
+            out, cache = self.self_attn(self.input_layernorm(h), cache, layer, ctx)
         h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), cache
+        return h + self.mlp(self.post_attention_layernorm(h)), cache, state
 
 
 class LayerGroup(nnx.Module):
@@ -262,12 +284,15 @@ class LayerGroup(nnx.Module):
         self.cfg = cfg
         self.layers = nnx.List([DecoderLayer(cfg, kind, dtype) for kind in cfg.layer_types[: cfg.group_size]])
 
-    def __call__(self, h, cache, group, ctx):
-        per_group = self.cfg.linear_per_group
+    def __call__(self, h, cache, group, states: GdnState, ctx):
+        """states: [linear_per_group, R, ...] for this group's GDN layers; returns them updated."""
+        new_states = []
         for j, layer in enumerate(self.layers):
-            index = group * per_group + j if j < per_group else group
-            h, cache = layer(h, cache, index, ctx)
-        return h, cache
+            state = jax.tree.map(lambda x, j=j: x[j], states) if j < len(self.layers) - 1 else None
+            h, cache, state = layer(h, cache, group, state, ctx)
+            if state is not None:
+                new_states.append(state)
+        return h, cache, jax.tree.map(lambda *xs: jnp.stack(xs), *new_states)
 
 
 class Embedding(nnx.Module):
@@ -284,6 +309,15 @@ class Embedding(nnx.Module):
         """[R, hidden] -> fp32 logits [R, vocab] (fp32 accumulation; HF rounds them to the model dtype)."""
         head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed_tokens.weight
         return lax.dot_general(self.norm(h), head[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVPages:
+    """The paged KV pools, the only cache the layer scan carries."""
+
+    k_pages: jax.Array
+    v_pages: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,12 +395,41 @@ def forward(
     kv_page, kv_offset = _kv_destinations(inputs, cache.page_size)
     ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset)
     h = top.embed(_flat(inputs, "tokens"))
+    cfg = model.cfg
+    slots, states = _gather_states(cache, inputs, cfg)
+    kv = KVPages(cache.k_pages, cache.v_pages)
 
     def body(carry, xs):
-        h, cache = carry
-        group_state, group_index = xs
-        return nnx.merge(model.group, group_state)(h, cache, group_index, ctx), None
+        h, kv = carry
+        group_params, group_index, group_states = xs
+        h, kv, group_states = nnx.merge(model.group, group_params)(h, kv, group_index, group_states, ctx)
+        return (h, kv), group_states
 
-    groups = jnp.arange(model.cfg.num_groups, dtype=jnp.int32)
-    (h, cache), _ = lax.scan(body, (h, cache), (params["groups"], groups))
+    groups = jnp.arange(cfg.num_groups, dtype=jnp.int32)
+    (h, kv), states = lax.scan(body, (h, kv), (params["groups"], groups, states))
+    cache = Cache(
+        k_pages=kv.k_pages, v_pages=kv.v_pages,
+        ssm=cache.ssm.at[:, slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:])),
+        conv=cache.conv.at[:, slots].set(states.conv.reshape(cfg.num_linear_layers, *states.conv.shape[2:])),
+    )  # fmt: skip
     return top.logits(h[_logit_rows(inputs, all_prefill_logits)]), cache
+
+
+def _gather_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config) -> tuple[jax.Array, GdnState]:
+    """The step's rows of the GDN slot pools, [groups, linear_per_group, R, ...], read once per step (the
+    scan carries only these rows, never the whole pools); a row that starts a new sequence reads zeros."""
+    slots, fresh = [], []
+    if inputs.decode is not None:
+        slots.append(inputs.decode.slots)
+        fresh.append(jnp.zeros(inputs.num_decode, bool))
+    if inputs.prefill is not None:
+        slots.append(inputs.prefill.slots)
+        fresh.append(inputs.prefill.fresh)
+    slots, fresh = jnp.concatenate(slots), jnp.concatenate(fresh)
+
+    def rows(pool):
+        x = pool[:, slots]
+        x = jnp.where(fresh.reshape(1, -1, *([1] * (x.ndim - 2))), jnp.zeros((), x.dtype), x)
+        return x.reshape(cfg.num_groups, cfg.linear_per_group, *x.shape[1:])
+
+    return slots, GdnState(rows(cache.ssm), rows(cache.conv))

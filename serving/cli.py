@@ -7,18 +7,14 @@ flag or a taken port fails in milliseconds with exit code 2 and a message naming
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 import time
 from pathlib import Path
 
-from qwen35_jax.kernels import KERNEL_SETS
-
 from qwen35_jax.api import DTYPES
 from qwen35_jax.cli import FlagError
-
-log = logging.getLogger(__name__)
+from qwen35_jax.kernels import KERNEL_SETS
 
 
 def add_serving_parsers(subparsers) -> None:
@@ -172,9 +168,8 @@ def run_serve(args) -> None:
 
 
 def _load(args, config):
-    from qwen35_jax.serving.factory import build_engine
-
     from qwen35_jax.api import load_model
+    from qwen35_jax.serving.factory import build_engine
 
     try:
         with _Elapsed(f"loading weights ({args.model}, {args.dtype})"):

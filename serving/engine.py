@@ -19,11 +19,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.serving.plan import Request, StepPlan
 from qwen35_jax.serving.runner import StepHandle
 from qwen35_jax.serving.scheduler import RequestRejected, Scheduler
-
-from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger(__name__)

@@ -9,12 +9,12 @@ import os
 from pathlib import Path
 
 import jax
-from qwen35_jax.serving.engine import Engine
-from qwen35_jax.serving.runner import Buckets, Runner
-from qwen35_jax.serving.scheduler import Scheduler, SchedulerConfig
 
 from qwen35_jax.cache import CacheSpec, bytes_per_page, bytes_per_slot
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.serving.engine import Engine
+from qwen35_jax.serving.runner import Buckets, Runner
+from qwen35_jax.serving.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 

@@ -157,10 +157,13 @@ def main(argv=None) -> None:
     result = {"model": args.model, "kernels": args.kernels, "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)
+    print("scratch bytes", {str(k): v for k, v in engine.runner.temp_bytes.items()}, flush=True)
+    print("cache bytes", {n: getattr(engine.runner.cache, n).nbytes for n in ("k_pages", "ssm", "conv")}, flush=True)
     if not args.ready_only:
         result["decode"] = [bench_decode(engine, model.config, b, args.context, args.steps, rng) for b in batches]
         print(json.dumps(result["decode"]), flush=True)
     result["compile_seconds_decode_engine"] = {str(k): v for k, v in engine.runner.compile_seconds.items()}
+    result["scratch_bytes_decode_engine"] = {str(k): v for k, v in engine.runner.temp_bytes.items()}
     _release(engine)
     if not args.ready_only:
         engine, result["compile_s_prefill_engine"] = build(args, model, [1], chunks, chunks[-1] + 16)

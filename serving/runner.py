@@ -20,14 +20,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from qwen35_jax.kernels import Mixers
-from qwen35_jax.serving.device_sampling import SamplingRows, sample
-from qwen35_jax.serving.plan import StepPlan
-from qwen35_jax.serving.pools import TRASH_PAGE
 
 from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
 from qwen35_jax.cache import CacheSpec, new_cache
+from qwen35_jax.kernels import Mixers
 from qwen35_jax.model import ModelDef, forward
+from qwen35_jax.serving.device_sampling import SamplingRows, sample
+from qwen35_jax.serving.plan import StepPlan
+from qwen35_jax.serving.pools import TRASH_PAGE
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class Runner:
         self.token_state = jnp.zeros(spec.num_slots, jnp.int32)
         self.executables: dict[tuple[int, int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
+        self.temp_bytes: dict[tuple[int, int, int], int] = {}  # device scratch of each program
         self._jitted = jax.jit(partial(engine_step, model_def, mixer_set, num_top_logprobs), donate_argnums=(1, 2))
 
     @property
@@ -180,7 +181,10 @@ class Runner:
         lowered = self._jitted.lower(self.params, self.cache, self.token_state, inputs, rows)
         self.executables[key] = lowered.compile()
         self.compile_seconds[key] = time.perf_counter() - start
-        log.info("compiled step B=%d P=%d T=%d in %.2fs", *key, self.compile_seconds[key])
+        memory = self.executables[key].memory_analysis()
+        self.temp_bytes[key] = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
+        log.info("compiled step B=%d P=%d T=%d in %.2fs (%.1f MiB scratch)", *key, self.compile_seconds[key],
+                 self.temp_bytes[key] / 2**20)  # fmt: skip
         return self.executables[key]
 
     def compile_all(self, progress=None) -> float:

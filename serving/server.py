@@ -26,13 +26,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.serving import protocol as api
 from qwen35_jax.serving.engine import GenerationParams, RequestOutput, TokenLogprob
 from qwen35_jax.serving.metrics import CONTENT_TYPE, ServingMetrics
 from qwen35_jax.serving.scheduler import RequestRejected
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from qwen35_jax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,8 @@ class Submission:
     def on_output(self, output: RequestOutput) -> None:
         """Runs on the engine thread."""
         self.timer.record(len(output.token_ids), output.finish_reason)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        if not self.loop.is_closed():  # closed: the server has stopped and nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
@@ -286,17 +287,6 @@ class OpenAIServer:
         return submission
 
     # ---- logprobs ----------------------------------------------------------------------------------------
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            if self.tokenizer is None:
-                text = f"token_id:{token_id}"
-            else:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_text) < 1 << 20:
-                self._token_text[token_id] = text
-        return text
-
     def token_bytes(self, token_id: int) -> list[int] | None:
         if self.tokenizer is None:
             return None
@@ -305,15 +295,35 @@ class OpenAIServer:
             return []
         if self._byte_decoder is not None and all(c in self._byte_decoder for c in piece):
             return [self._byte_decoder[c] for c in piece]
-        return list(self.token_text(token_id).encode("utf-8"))
+        return list(self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
 
-    def completion_logprobs(self, entries: list[TokenLogprob], offset: int) -> dict:
+    def token_text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or `bytes:\\xNN..` for part of a multi-byte character (as
+        OpenAI does), which keeps such tokens apart in a top_logprobs dict."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                raw = bytes(self.token_bytes(token_id))
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            if len(self._token_text) < 1 << 20:
+                self._token_text[token_id] = text
+        return text
+
+    def completion_logprobs(self, entries: list[TokenLogprob], texts: list[str], offset: int) -> dict:
+        """`texts[i]`: the text that token i added to the output, for `text_offset`."""
         tokens, chosen, tops, offsets = [], [], [], []
-        for entry in entries:
-            text = self.token_text(entry.token_id)
-            tokens.append(text)
+        for entry, text in zip(entries, texts, strict=True):
+            tokens.append(self.token_text(entry.token_id))
             chosen.append(api.finite_logprob(entry.logprob))
-            tops.append({self.token_text(i): api.finite_logprob(lp) for i, lp in entry.top})
+            top: dict[str, float] = {}
+            for token_id, logprob in entry.top:  # most likely first: a name shared by two tokens keeps the higher
+                top.setdefault(self.token_text(token_id), api.finite_logprob(logprob))
+            tops.append(top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
@@ -354,6 +364,12 @@ def _byte_decoder() -> dict[str, int]:
 # ---- responses -------------------------------------------------------------------------------------------
 
 
+def _texts_per_token(output: RequestOutput) -> list[str]:
+    """An output's text, as added by each of its tokens: the engine delivers one token per output, and
+    the text of an output is what its last token completed."""
+    return [""] * (len(output.logprobs) - 1) + [output.text]
+
+
 def _sse(payload: dict | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
@@ -373,6 +389,7 @@ class Collected:
     def __init__(self):
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
+        self.logprob_texts: list[str] = []  # the text each token of `logprobs` added
         self.last: RequestOutput | None = None
 
     @classmethod
@@ -380,7 +397,9 @@ class Collected:
         collected = cls()
         async for output in submission.outputs():
             collected.text.append(output.text)
-            collected.logprobs.extend(output.logprobs or ())
+            if output.logprobs:
+                collected.logprobs.extend(output.logprobs)
+                collected.logprob_texts.extend(_texts_per_token(output))
             collected.last = output
         error = _finish_error(collected.last)
         if error is not None:
@@ -392,7 +411,7 @@ async def complete(server: OpenAIServer, prepared: Prepared, submission: Submiss
     collected = await Collected.gather(submission)
     logprobs = None
     if prepared.params.logprobs is not None:
-        logprobs = server.completion_logprobs(collected.logprobs, 0)
+        logprobs = server.completion_logprobs(collected.logprobs, collected.logprob_texts, 0)
     choice = {"index": 0, "text": "".join(collected.text), "logprobs": logprobs,
               "finish_reason": collected.last.finish_reason}  # fmt: skip
     return {"id": prepared.request_id, "object": "text_completion", "created": int(time.time()),
@@ -406,6 +425,16 @@ async def chat_complete(server: OpenAIServer, prepared: Prepared, submission: Su
               "logprobs": logprobs, "finish_reason": collected.last.finish_reason}  # fmt: skip
     return {"id": prepared.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": server.config.served_model_name, "choices": [choice], "usage": _usage(collected.last)}  # fmt: skip
+
+
+def _stream_choice(server: OpenAIServer, prepared: Prepared, output: RequestOutput, chat: bool, offset: int) -> dict:
+    with_logprobs = prepared.params.logprobs is not None and bool(output.logprobs)
+    if chat:
+        logprobs = server.chat_logprobs(output.logprobs) if with_logprobs else None
+        delta = {"content": output.text} if output.text or output.finish_reason is None else {}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": output.finish_reason}
+    logprobs = server.completion_logprobs(output.logprobs, _texts_per_token(output), offset) if with_logprobs else None
+    return {"index": 0, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
 
 
 async def stream(server: OpenAIServer, prepared: Prepared, submission: Submission, chat: bool) -> AsyncIterator[str]:
@@ -427,16 +456,8 @@ async def stream(server: OpenAIServer, prepared: Prepared, submission: Submissio
                 break
             # One chunk per token, even when its text is empty (it ends inside a multi-byte character), so
             # that clients can time every token.
-            want_logprobs = prepared.params.logprobs is not None
-            if chat:
-                logprobs = server.chat_logprobs(output.logprobs or []) if want_logprobs else None
-                delta = {"content": output.text} if output.text or output.finish_reason is None else {}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": output.finish_reason}
-            else:
-                logprobs = server.completion_logprobs(output.logprobs or [], offset) if want_logprobs else None
-                offset += len(output.text)
-                choice = {"index": 0, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
-            yield _sse(head | {"choices": [choice]} | usage_field)
+            yield _sse(head | {"choices": [_stream_choice(server, prepared, output, chat, offset)]} | usage_field)
+            offset += len(output.text)
         if prepared.include_usage and last is not None and last.finish_reason in ("stop", "length"):
             yield _sse(head | {"choices": [], "usage": _usage(last)})
         yield _sse("[DONE]")

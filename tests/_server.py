@@ -7,7 +7,6 @@ It requires an API key, so the wrong-key case can be tested against it; clients 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -22,6 +21,7 @@ DEFAULT_CHAT_MAX_TOKENS = 24
 
 class LiveServer:
     def __init__(self, compile_cache: str):
+        from qwen35_jax.api import load_model
         from qwen35_jax.serving.factory import EngineConfig, build_engine
         from qwen35_jax.serving.server import (
             OpenAIServer,
@@ -31,8 +31,6 @@ class LiveServer:
             create_app,
             listen_url,
         )
-
-        from qwen35_jax.api import load_model
 
         self.compile_cache = compile_cache
         self.model = load_model("tiny", dtype="float32")
@@ -99,9 +97,10 @@ class LiveServer:
 
 
 @pytest.fixture(scope="session")
-def live_server(tmp_path_factory) -> LiveServer:
-    cache = os.environ.get("QWEN35_JAX_TEST_COMPILE_CACHE") or str(tmp_path_factory.mktemp("server_xla_cache"))
-    server = LiveServer(cache)
+def live_server(compile_cache_dir) -> LiveServer:
+    # The session's one cache (conftest.py): JAX reads the cache folder once per process, so a second
+    # folder would be ignored here, and `serve` in a subprocess must be pointed at the folder in use.
+    server = LiveServer(compile_cache_dir)
     yield server
     server.close()
 

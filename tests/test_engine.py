@@ -25,13 +25,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+
+from qwen35_jax.api import load_model
+from qwen35_jax.sampling import SamplingParams, filtered_probs
 from qwen35_jax.serving.device_sampling import SamplingRows, sample
 from qwen35_jax.serving.engine import GenerationParams, RequestOutput, SamplingRow, TokenLogprob
 from qwen35_jax.serving.runner import StepHandle
 from qwen35_jax.serving.scheduler import RequestRejected
-
-from qwen35_jax.api import load_model
-from qwen35_jax.sampling import SamplingParams, filtered_probs
 
 GOLDEN_DIR = Path(__file__).parent / "fixtures" / "golden"
 GOLDEN_CASES = sorted(p.name for p in GOLDEN_DIR.iterdir() if (p / "golden.npz").is_file())

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from qwen35_jax.serving.plan import DecodeRow, PrefillChunk, Request, RequestStatus, StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE, PagePool, SlotPool, pages_needed
 from qwen35_jax.serving.scheduler import RequestRejected, Scheduler, SchedulerConfig, trace

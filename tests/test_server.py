@@ -75,6 +75,7 @@ def test_completion_logprobs(idle_server):
         # Greedy: the chosen token is the most likely one.
         assert chosen == pytest.approx(max(top.values()), abs=1e-5)
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    assert logprobs.text_offset[-1] <= len(response.choices[0].text)
 
 
 def test_stop_string_cuts_the_text(idle_server):
