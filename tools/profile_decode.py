@@ -66,7 +66,12 @@ def main() -> None:
         engine.submit(
             rng.integers(0, 248044, args.context).tolist(), GenerationParams(60, ignore_eos=True), lambda out: None
         )
-    while not all(r.remaining_prompt == 0 for r in engine.scheduler.running.values()) or engine.scheduler.waiting:
+
+    def all_decoding():
+        running = engine.scheduler.running.values()
+        return len(running) == args.batch and all(r.remaining_prompt == 0 for r in running)
+
+    while not all_decoding():
         engine.step()
     for _ in range(4):
         engine.step()
