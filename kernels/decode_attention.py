@@ -1,17 +1,14 @@
 """Paged decode attention: one query token per row against that row's pages, GQA.
 
-Math: o[b, h] = softmax_j( q[b, h] . k[b, j, h // group] * scale ) v[b, j, h // group] over the row's cached
-positions j < cached[b] and the row's new token (whose K/V are passed in, not yet in the pages: the model
-commits every new K/V once per step, after all layers ran). Scores and softmax in fp32, probabilities
-rounded to the model dtype before the value product (as HF eager).
+Math: o[b, h] = softmax_j( q[b, h] . k[b, j, h // group] * scale ) v[b, j, h // group] over j < lengths[b],
+scores and softmax in fp32, probabilities rounded to the model dtype before the value product (as HF eager).
 
 Layouts:
     q           [B, H, D]   model dtype (after q_norm and RoPE)
-    k_pages     [L, N, page_size, KV, D] model dtype;  v_pages the same (read only)
+    k_pages     [L, N, page_size, KV, D] model dtype (the current token's K/V already written);  same for v
     layer       int32 scalar: which full-attention layer of the pool
     page_table  [B, W] int32: page ids of each row in order (unused entries point at the trash page 0)
-    cached      [B] int32: tokens already in the pages for each row (= the new token's position)
-    k_new       [B, KV, D] model dtype: the new token's key;  v_new the same
+    lengths     [B] int32: tokens in the cache for each row, the current one included
 Returns o [B, H, D] in q's dtype.
 """
 
@@ -39,10 +36,8 @@ def attend(q, k, v, mask, scale):
     return out.reshape(q.shape).astype(q.dtype)
 
 
-def paged_decode_attention_ref(q, k_pages, v_pages, layer, page_table, cached, k_new, v_new):
-    k = jnp.concatenate([gather_pages(k_pages, layer, page_table), k_new[:, None]], axis=1)
-    v = jnp.concatenate([gather_pages(v_pages, layer, page_table), v_new[:, None]], axis=1)
-    span = k.shape[1] - 1
-    positions = jnp.arange(span + 1)[None, :]
-    mask = ((positions < cached[:, None]) | (positions == span))[:, None, :]
+def paged_decode_attention_ref(q, k_pages, v_pages, layer, page_table, lengths):
+    k = gather_pages(k_pages, layer, page_table)
+    v = gather_pages(v_pages, layer, page_table)
+    mask = (jnp.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, :]
     return attend(q[:, None], k, v, mask, q.shape[-1] ** -0.5)[:, 0]

@@ -238,24 +238,23 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
         return q, k, v, gate
 
-    def __call__(self, x, pages: KVPages, layer, ctx: StepContext):
-        """Reads the pages, returns the step's new K/V [N, KV, D] for the model to commit after all layers."""
+    def __call__(self, x, cache: Cache, layer, ctx: StepContext):
         q, k, v, gate = self._project(x, ctx)
-        (q_d, q_p), (k_d, k_p), (v_d, v_p) = ctx.split(q), ctx.split(k), ctx.split(v)
+        k_pages = cache.k_pages.at[layer, ctx.kv_page, ctx.kv_offset].set(k)
+        v_pages = cache.v_pages.at[layer, ctx.kv_page, ctx.kv_offset].set(v)
+        q_d, q_p = ctx.split(q)
         out_d = out_p = None
         if q_d is not None:
             side = ctx.inputs.decode
-            out_d = ctx.mixers.decode_attention(
-                q_d, pages.k_pages, pages.v_pages, layer, side.page_table, side.positions, k_d, v_d
-            )
+            out_d = ctx.mixers.decode_attention(q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1)
         if q_p is not None:
             side = ctx.inputs.prefill
             out_p = ctx.mixers.prefill_attention(
-                q_p, pages.k_pages, pages.v_pages, layer, side.page_table, side.start, k_p, v_p, side.lengths
+                q_p, k_pages, v_pages, layer, side.page_table, side.start, side.lengths
             )
         out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
         out = (out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)
-        return self.o_proj(out), (k, v)
+        return self.o_proj(out), dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 
 
 class DecoderLayer(nnx.Module):
@@ -268,14 +267,14 @@ class DecoderLayer(nnx.Module):
             self.self_attn = Attention(cfg, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def __call__(self, h, pages, layer, state, ctx):
-        """A linear layer reads and returns its GdnState; the attention layer returns its new K/V as `state`."""
+    def __call__(self, h, cache, layer, state, ctx):
+        """Linear layers read and return their GdnState; the attention layer reads and returns the KV pages."""
         if hasattr(self, "linear_attn"):
             out, state = self.linear_attn(self.input_layernorm(h), state, ctx)
         else:
-            out, state = self.self_attn(self.input_layernorm(h), pages, layer, ctx)
+            out, cache = self.self_attn(self.input_layernorm(h), cache, layer, ctx)
         h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), state
+        return h + self.mlp(self.post_attention_layernorm(h)), cache, state
 
 
 class LayerGroup(nnx.Module):
@@ -285,15 +284,15 @@ class LayerGroup(nnx.Module):
         self.cfg = cfg
         self.layers = nnx.List([DecoderLayer(cfg, kind, dtype) for kind in cfg.layer_types[: cfg.group_size]])
 
-    def __call__(self, h, pages, group, states: GdnState, ctx):
-        """states: [linear_per_group, R, ...] for this group's GDN layers. Returns h, the updated states and
-        the attention layer's new (K, V) [N, KV, D]."""
+    def __call__(self, h, cache, group, states: GdnState, ctx):
+        """states: [linear_per_group, R, ...] for this group's GDN layers; returns them updated."""
         new_states = []
-        for j, layer in enumerate(self.layers[:-1]):
-            h, state = layer(h, pages, group, jax.tree.map(lambda x, j=j: x[j], states), ctx)
-            new_states.append(state)
-        h, new_kv = self.layers[-1](h, pages, group, None, ctx)
-        return h, jax.tree.map(lambda *xs: jnp.stack(xs), *new_states), new_kv
+        for j, layer in enumerate(self.layers):
+            state = jax.tree.map(lambda x, j=j: x[j], states) if j < len(self.layers) - 1 else None
+            h, cache, state = layer(h, cache, group, state, ctx)
+            if state is not None:
+                new_states.append(state)
+        return h, cache, jax.tree.map(lambda *xs: jnp.stack(xs), *new_states)
 
 
 class Embedding(nnx.Module):
@@ -315,7 +314,7 @@ class Embedding(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVPages:
-    """The paged KV pools as the layers see them: read only (new K/V are committed after the scan)."""
+    """The paged KV pools, the only cache the layer scan carries."""
 
     k_pages: jax.Array
     v_pages: jax.Array
@@ -398,19 +397,18 @@ def forward(
     h = top.embed(_flat(inputs, "tokens"))
     cfg = model.cfg
     slots, states = _gather_states(cache, inputs, cfg)
-    pages = KVPages(cache.k_pages, cache.v_pages)  # read inside the scan, written once after it
+    kv = KVPages(cache.k_pages, cache.v_pages)
 
-    def body(h, xs):
+    def body(carry, xs):
+        h, kv = carry
         group_params, group_index, group_states = xs
-        h, group_states, new_kv = nnx.merge(model.group, group_params)(h, pages, group_index, group_states, ctx)
-        return h, (group_states, new_kv)
+        h, kv, group_states = nnx.merge(model.group, group_params)(h, kv, group_index, group_states, ctx)
+        return (h, kv), group_states
 
     groups = jnp.arange(cfg.num_groups, dtype=jnp.int32)
-    h, (states, (k_new, v_new)) = lax.scan(body, h, (params["groups"], groups, states))
-    layer, page, offset = groups[:, None], kv_page[None, :], kv_offset[None, :]
+    (h, kv), states = lax.scan(body, (h, kv), (params["groups"], groups, states))
     cache = Cache(
-        k_pages=cache.k_pages.at[layer, page, offset].set(k_new),
-        v_pages=cache.v_pages.at[layer, page, offset].set(v_new),
+        k_pages=kv.k_pages, v_pages=kv.v_pages,
         ssm=cache.ssm.at[:, slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:])),
         conv=cache.conv.at[:, slots].set(states.conv.reshape(cfg.num_linear_layers, *states.conv.shape[2:])),
     )  # fmt: skip
