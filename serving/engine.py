@@ -280,8 +280,19 @@ class Engine:
                     self._wake.wait()
                 if self._stopping:
                     break
-            self.step()
+            try:
+                self.step()
+            except Exception as err:  # a host-side bug must not end the loop and strand every client
+                log.exception("engine step raised outside a device step")
+                self._fail_everything(f"engine error: {err}")
         self._drain_in_flight()
+
+    def _fail_everything(self, message: str) -> None:
+        """Fail every live request and start from fresh caches: the engine's state can no longer be trusted."""
+        self._in_flight = None
+        self.runner.reset_cache()
+        for request_id in list(self.generations):
+            self._finish(request_id, "error", emit=True, error=message)
 
     def _busy(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None

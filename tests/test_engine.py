@@ -706,3 +706,34 @@ def test_draws_depend_on_seed_and_output_index_not_on_the_row():
     other = np.asarray(sample_jit(np.repeat(flat, 64, axis=0), moved, 2)[0])
     # Two independent draws from a nearly flat 512-way distribution agree with probability ~1/500.
     assert (other != tokens).sum() > 48
+
+
+def test_host_error_in_the_loop_fails_live_requests_and_keeps_serving(tiny_model, engines, monkeypatch):
+    """An exception outside a device step (a host-side bug) fails the live requests with its message and
+    the loop thread carries on serving. Own engine (shutdown is final); programs load from the cache."""
+    engine = engines.build(tiny_model, compile_now=False, max_batch=4, max_prefill_tokens=16, max_model_len=512)
+    original, calls = engine.scheduler.schedule, []
+
+    def schedule_failing_once():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("scheduler bug")
+        return original()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_failing_once)
+    try:
+        collector = Collector()
+        engine.start()
+        failed = engine.submit(prompt(9, seed=60), greedy(50), collector)
+        collector.wait(lambda: collector.is_finished(failed))
+        assert collector.result(failed).finish_reason == "error"
+        assert "scheduler bug" in collector.result(failed).error
+        assert engine.is_running()
+        served = engine.submit(prompt(9, seed=61), greedy(3), collector)
+        collector.wait(lambda: collector.is_finished(served))
+        assert collector.result(served).finish_reason == "length" and len(collector.tokens(served)) == 3
+    finally:
+        engine.shutdown()
+        engines.release(engine)
+    assert engine.scheduler.page_pool.num_free == engine.scheduler.page_pool.num_total
+    assert engine.scheduler.slot_pool.num_free == engine.scheduler.slot_pool.num_total
