@@ -10,13 +10,39 @@ Layouts:
     conv_state [rows, K-1, C] model dtype, oldest input first (zeros for a fresh sequence)
     lengths    [P] valid tokens per row
 Returns y (same shape as x, model dtype) and each row's new conv state: its last K-1 valid inputs.
+
+Pallas kernels (Triton lowering). Channels are independent (depthwise), so both kernels block over them;
+channel rows are contiguous in memory, which makes every load and store a coalesced vector.
+- update: grid (B, C / block_c). A program reads its K-1 state rows and the new input for block_c channels,
+  writes y and the shifted state. 4B: C = 8192, block_c 512, so B * 16 programs of 8 KiB traffic each.
+- prefill: grid (P, T / block_t, C / block_c), one [block_t, block_c] output tile a program. Tap j reads
+  the tile shifted by j - (K-1) tokens; rows before the chunk start come from the conv state (a masked
+  load selects which), so there is no sequential dependency across tiles and every tile runs in parallel.
+  The overlapping tap reads hit L1/L2: DRAM traffic stays ~ one read of x and one write of y. The t = 0
+  tile's program also writes the row's new conv state, window rows length .. length + K-2.
+y is computed at padding tokens too (from whatever x holds there), exactly as the reference does.
+Block sizes are the largest powers of two (up to BLOCK_T, BLOCK_C) that divide T and C, so tiles never
+overhang the arrays and need no edge masks (the engine's chunk buckets and the model's C are powers of two
+or multiples of 512). The new conv state goes to a fresh buffer, not in place over the old one: the state
+rows shift by one, so an element would be read by one thread and overwritten by another, and Triton
+gives no barrier between them; the buffer is K-1 rows, small next to x.
+The block sizes and warp counts are unmeasured first choices; `tools/bench_conv1d.py --sweep` times others.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+BLOCK_C_UPDATE = 512  # bf16: 4 channels a thread at 4 warps
+BLOCK_T = 16
+BLOCK_C_PREFILL = 256  # tile [16, 256]: 32 values a thread at 4 warps
+NUM_WARPS = 4
 
 
 def _conv_silu(window: jax.Array, weight: jax.Array, out_len: int) -> jax.Array:
@@ -39,3 +65,114 @@ def causal_conv1d_update_ref(x, weight, conv_state):
     window = jnp.concatenate([conv_state.astype(x.dtype), x[:, None, :]], axis=1)
     y = _conv_silu(window, weight, 1)[:, 0]
     return y, window[:, 1:].astype(conv_state.dtype)
+
+
+def _block(size: int, cap: int) -> int:
+    """The largest power of two that divides `size`, at most `cap`."""
+    return min(cap, size & -size)
+
+
+def _silu_rounded(acc: jax.Array, dtype) -> jax.Array:
+    """fp32 conv sum -> model dtype, rounded before the SiLU as HF does."""
+    return jax.nn.silu(acc.astype(dtype).astype(jnp.float32)).astype(dtype)
+
+
+def _update_kernel(x_ref, weight_ref, state_ref, y_ref, new_state_ref):
+    """x_ref, y_ref [block_c]; weight_ref [block_c, K]; state_ref, new_state_ref [K-1, block_c]."""
+    keep = state_ref.shape[0]
+    window = [state_ref[j, :].astype(x_ref.dtype) for j in range(keep)] + [x_ref[...]]
+    acc = sum(window[j].astype(jnp.float32) * weight_ref[:, j].astype(jnp.float32) for j in range(keep + 1))
+    y_ref[...] = _silu_rounded(acc, y_ref.dtype)
+    for j in range(keep):
+        new_state_ref[j, :] = window[j + 1].astype(new_state_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_c", "num_warps", "interpret"))
+def conv1d_update_blocked(x, weight, conv_state, *, block_c: int, num_warps: int, interpret: bool = False):
+    """`causal_conv1d_update_pallas` with explicit tiling (the benchmark sweeps it)."""
+    batch, channels = x.shape
+    taps = weight.shape[1]
+    block_c = _block(channels, block_c)
+    row_spec = pl.BlockSpec((None, block_c), lambda b, c: (b, c))
+    state_spec = pl.BlockSpec((None, taps - 1, block_c), lambda b, c: (b, 0, c))
+    return pl.pallas_call(
+        _update_kernel,
+        grid=(batch, channels // block_c),
+        in_specs=[row_spec, pl.BlockSpec((block_c, taps), lambda b, c: (c, 0)), state_spec],
+        out_specs=[row_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="conv1d_update",
+    )(x, weight, conv_state)
+
+
+def causal_conv1d_update_pallas(x, weight, conv_state, *, interpret=False):
+    return conv1d_update_blocked(
+        x, weight, conv_state, block_c=BLOCK_C_UPDATE, num_warps=NUM_WARPS, interpret=interpret
+    )
+
+
+def _window_rows(x_ref, state_ref, index, columns):
+    """Rows `index` of the window [conv state ; x] (any shape of int32 indices) for `columns`, in x's dtype.
+    Both loads are clamped in bounds and masked to the side each index falls on."""
+    keep, seq = state_ref.shape[0], x_ref.shape[0]
+    in_x = index >= keep
+    from_x = pltriton.load(x_ref.at[jnp.clip(index - keep, 0, seq - 1), columns], mask=in_x, other=0.0)
+    from_state = pltriton.load(state_ref.at[jnp.clip(index, 0, keep - 1), columns], mask=~in_x, other=0.0)
+    return jnp.where(in_x, from_x, from_state.astype(x_ref.dtype))
+
+
+def _prefill_kernel(lengths_ref, x_ref, weight_ref, state_ref, y_ref, new_state_ref, *, block_t: int):
+    """lengths_ref []; x_ref, y_ref [T, block_c]; weight_ref [block_c, K]; state_ref, new_state_ref [K-1, block_c]."""
+    keep, block_c = state_ref.shape
+    columns = jnp.arange(block_c, dtype=jnp.int32)
+    t0 = pl.program_id(1) * block_t
+    times = (t0 + jnp.arange(block_t, dtype=jnp.int32))[:, None]  # [block_t, 1]; window row t + j is tap j
+    acc = sum(
+        _window_rows(x_ref, state_ref, times + j, columns[None, :]).astype(jnp.float32)
+        * weight_ref[:, j].astype(jnp.float32)[None, :]
+        for j in range(keep + 1)
+    )
+    y_ref[pl.ds(t0, block_t), :] = _silu_rounded(acc, y_ref.dtype)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        length = lengths_ref[...]
+        for i in range(keep):
+            row = _window_rows(x_ref, state_ref, length + i, columns)
+            new_state_ref[i, :] = row.astype(new_state_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_t", "block_c", "num_warps", "interpret"))
+def conv1d_prefill_blocked(
+    x, weight, conv_state, lengths, *, block_t: int, block_c: int, num_warps: int, interpret: bool = False
+):
+    """`causal_conv1d_prefill_pallas` with explicit tiling (the benchmark sweeps it)."""
+    rows, seq, channels = x.shape
+    taps = weight.shape[1]
+    block_t, block_c = _block(seq, block_t), _block(channels, block_c)
+    seq_spec = pl.BlockSpec((None, seq, block_c), lambda p, t, c: (p, 0, c))
+    state_spec = pl.BlockSpec((None, taps - 1, block_c), lambda p, t, c: (p, 0, c))
+    return pl.pallas_call(
+        functools.partial(_prefill_kernel, block_t=block_t),
+        grid=(rows, seq // block_t, channels // block_c),
+        in_specs=[
+            pl.BlockSpec((None,), lambda p, t, c: (p,)),
+            seq_spec,
+            pl.BlockSpec((block_c, taps), lambda p, t, c: (c, 0)),
+            state_spec,
+        ],
+        out_specs=[seq_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="conv1d_prefill",
+    )(lengths.astype(jnp.int32), x, weight, conv_state)
+
+
+def causal_conv1d_prefill_pallas(x, weight, conv_state, lengths, *, interpret=False):
+    return conv1d_prefill_blocked(
+        x, weight, conv_state, lengths, block_t=BLOCK_T, block_c=BLOCK_C_PREFILL, num_warps=NUM_WARPS,
+        interpret=interpret,
+    )  # fmt: skip

@@ -11,13 +11,35 @@ Layouts:
     state       [B, nv, dk, dv] fp32: each row's recurrent state for this layer
 Returns o [B, nv, dv] in v's dtype and the new state (a kernel may update `state` in place: the model
 gathers the step's rows from the slot pool once per step and scatters them back once).
+
+Pallas kernel (Triton lowering): grid (B, nv, dv / BLOCK_DV). One program owns the column block
+S[:, block] of one (row, value head): it reads q and k of key head h // ratio whole (dk values, so every
+program can l2norm them itself; that is 2 dk loads against dk * BLOCK_DV state loads), reads its state
+tile [dk, BLOCK_DV] once, applies decay, delta update and readout in registers, and writes the tile back
+over the input (`input_output_aliases` state -> new state). Columns of S are independent in the update
+(u[e] needs only column e of S), so splitting dv costs nothing but the repeated l2norm, and gives
+B * nv * dv / BLOCK_DV programs: 128 at B = 1 on the 4B model (32 value heads), enough to cover the
+H200's 132 SMs, where one program per head would leave three quarters of them idle. The kernel is
+memory bound: 2 * 4 * dk * dv bytes of state per head against ~7 dk dv FLOPs.
+In place is safe: each tile is read and written by one program only, and the stored S[d, e] depends on
+u[e], a reduction over the loaded column e, so every load of a column completes before any store to it.
+BLOCK_DV and NUM_WARPS are unmeasured first choices; `tools/bench_gdn_decode.py --sweep` times the others.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from qwen35_jax.kernels.gdn_prefill import prepare_qk
+
+BLOCK_DV = 32  # state tile [128, 32] fp32 = 32 registers a thread at 4 warps
+NUM_WARPS = 4
+EPS = 1e-6
 
 
 def gdn_decode_ref(q, k, v, g, beta, state):
@@ -28,3 +50,47 @@ def gdn_decode_ref(q, k, v, g, beta, state):
     state = state + k[..., :, None] * u[..., None, :]
     out = jnp.einsum("bhde,bhd->bhe", state, q)
     return out.astype(v.dtype), state
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x) + EPS)
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref):
+    """q_ref, k_ref [dk]; v_ref, o_ref [block]; g_ref, beta_ref []; state_ref, new_state_ref [dk, block]."""
+    q = _l2norm(q_ref[...].astype(jnp.float32)) * (q_ref.shape[0] ** -0.5)
+    k = _l2norm(k_ref[...].astype(jnp.float32))
+    state = state_ref[...] * jnp.exp(g_ref[...])
+    u = beta_ref[...].astype(jnp.float32) * (v_ref[...].astype(jnp.float32) - jnp.sum(state * k[:, None], axis=0))
+    state = state + k[:, None] * u[None, :]
+    new_state_ref[...] = state
+    o_ref[...] = jnp.sum(state * q[:, None], axis=0).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_dv", "num_warps", "interpret"))
+def gdn_decode_blocked(q, k, v, g, beta, state, *, block_dv: int, num_warps: int, interpret: bool = False):
+    """`gdn_decode_pallas` with explicit tiling (the benchmark sweeps it)."""
+    batch, num_value_heads, dk, dv = state.shape
+    ratio = num_value_heads // q.shape[1]
+    block_dv = min(block_dv, dv)
+    assert dk & (dk - 1) == 0, f"dk={dk}: Triton loads need a power of two"
+    assert block_dv & (block_dv - 1) == 0 and dv % block_dv == 0, f"dv={dv} is not a multiple of {block_dv=}"
+    key_spec = pl.BlockSpec((None, None, dk), lambda b, h, j: (b, h // ratio, 0))
+    value_spec = pl.BlockSpec((None, None, block_dv), lambda b, h, j: (b, h, j))
+    head_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, h))
+    state_spec = pl.BlockSpec((None, None, dk, block_dv), lambda b, h, j: (b, h, 0, j))
+    return pl.pallas_call(
+        _decode_kernel,
+        grid=(batch, num_value_heads, dv // block_dv),
+        in_specs=[key_spec, key_spec, value_spec, head_spec, head_spec, state_spec],
+        out_specs=[value_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32)],
+        input_output_aliases={5: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_decode",
+    )(q, k, v, g.astype(jnp.float32), beta, state)
+
+
+def gdn_decode_pallas(q, k, v, g, beta, state, *, interpret=False):
+    return gdn_decode_blocked(q, k, v, g, beta, state, block_dv=BLOCK_DV, num_warps=NUM_WARPS, interpret=interpret)

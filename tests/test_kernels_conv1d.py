@@ -1,0 +1,178 @@
+"""Causal conv1d + SiLU: the Pallas update and prefill kernels against their references, in interpret mode on
+the CPU and compiled on the GPU (`-m gpu`), with conv states carried across calls as the engine carries them.
+
+Tolerances:
+- y in fp32: both sides sum the K products in the same order in fp32 and apply the same SiLU; what is left is
+  exp/division rounding inside the SiLU and, on the GPU, FMA contraction: measured <= 1e-6 on |y| <= 5 on
+  the CPU. atol = rtol = 1e-6 (a wrong tap, flipped kernel or missing state row moves y by O(0.1)).
+- y in bf16: the sum is rounded to bf16 before the SiLU and again after it, so a last-ulp fp32 difference
+  can flip either rounding: one bf16 ulp (2^-8 relative) of the pre-SiLU value, times |silu'| <= 1.1, plus
+  one of y. rtol 2^-7 with atol 2^-8 for the values where SiLU is flat and small. A flip needs the fp32
+  value within an ulp or two of a bf16 rounding boundary, so flips are rare (none measured on the CPU): at
+  most 1% of outputs may differ at all (skipping the rounding before the SiLU changes 25-35% of them).
+- The new conv state is a copy of input values, so it must match exactly.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen35_jax.kernels.conv1d import (
+    causal_conv1d_prefill_pallas,
+    causal_conv1d_prefill_ref,
+    causal_conv1d_update_pallas,
+    causal_conv1d_update_ref,
+)
+
+TAPS = 4
+ROUNDING_FLIPS = 0.01  # bf16: share of outputs allowed to differ at all (a rounding flip)
+Y_TOL = {jnp.float32: dict(atol=1e-6, rtol=1e-6), jnp.bfloat16: dict(atol=2**-8, rtol=2**-7)}
+
+
+def assert_y_close(y, expected, dtype, msg=""):
+    y, expected = np.float32(y), np.float32(expected)
+    np.testing.assert_allclose(y, expected, **Y_TOL[dtype], err_msg=msg)
+    if dtype == jnp.bfloat16:
+        assert np.mean(y != expected) <= ROUNDING_FLIPS, f"{msg}: {np.mean(y != expected):.1%} of y differ"
+
+
+def assert_state_equal(state, expected, msg=""):
+    np.testing.assert_array_equal(np.float32(state), np.float32(expected), err_msg=msg)
+
+
+def conv_inputs(key, lead, channels, dtype, fresh=False):
+    """x [*lead, C], weight [C, K] and a conv state [rows, K-1, C] (zeros for a fresh sequence)."""
+    kx, kw, ks = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (*lead, channels)).astype(dtype)
+    weight = (0.5 * jax.random.normal(kw, (channels, TAPS))).astype(dtype)
+    state = jnp.zeros((lead[0], TAPS - 1, channels), dtype)
+    if not fresh:
+        state = jax.random.normal(ks, state.shape).astype(dtype)
+    return x, weight, state
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch, channels", [(1, 96), (3, 384), (8, 8192)])
+def test_update_matches_ref_over_steps(batch, channels, dtype):
+    """Four consecutive one-token updates, each implementation fed its own state back."""
+    _, weight, state = conv_inputs(jax.random.PRNGKey(0), (batch,), channels, dtype)
+    kernel_state = ref_state = state
+    for step in range(4):
+        x = jax.random.normal(jax.random.PRNGKey(step + 1), (batch, channels)).astype(dtype)
+        y, kernel_state = causal_conv1d_update_pallas(x, weight, kernel_state, interpret=True)
+        ref_y, ref_state = causal_conv1d_update_ref(x, weight, ref_state)
+        assert y.dtype == dtype and y.shape == x.shape and kernel_state.shape == state.shape
+        assert_y_close(y, ref_y, dtype, f"y, step {step}")
+        assert_state_equal(kernel_state, ref_state, f"state, step {step}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "seq, lengths, fresh",
+    [(48, [48, 0, 13, 31], False), (48, [2, 47, 0, 16], True), (24, [24, 5, 1, 0], False), (13, [13, 3, 0, 12], False)],
+    ids=["3-tiles", "fresh", "8-token-tiles", "odd-length"],
+)
+def test_prefill_ragged_matches_ref(seq, lengths, fresh, dtype):
+    """Rows of different lengths in one call, padding rows (length 0) included; lengths that are not
+    multiples of the token tile; C = 384 gives three channel blocks."""
+    x, weight, state = conv_inputs(jax.random.PRNGKey(seq), (4, seq), 384, dtype, fresh)
+    lengths = jnp.array(lengths, jnp.int32)
+    y, new_state = causal_conv1d_prefill_pallas(x, weight, state, lengths, interpret=True)
+    ref_y, ref_state = causal_conv1d_prefill_ref(x, weight, state, lengths)
+    assert y.dtype == dtype and y.shape == x.shape and new_state.shape == state.shape
+    assert_y_close(y, ref_y, dtype, "y")
+    assert_state_equal(new_state, ref_state, "state")
+    idle = np.flatnonzero(np.asarray(lengths) == 0)
+    assert_state_equal(new_state[idle], state[idle], "a length-0 row keeps its state")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_then_updates_equals_one_longer_prefill(dtype):
+    """Prefill 20 tokens, then decode 5 one at a time: the same outputs and state as one 25-token prefill."""
+    x, weight, state = conv_inputs(jax.random.PRNGKey(3), (3, 32), 256, dtype)
+    prefix, total = 20, 25
+    y, conv = causal_conv1d_prefill_pallas(x, weight, state, jnp.full(3, prefix, jnp.int32), interpret=True)
+    ys = [y[:, :prefix]]
+    for t in range(prefix, total):
+        y_t, conv = causal_conv1d_update_pallas(x[:, t], weight, conv, interpret=True)
+        ys.append(y_t[:, None])
+    ref_y, ref_state = causal_conv1d_prefill_ref(x, weight, state, jnp.full(3, total, jnp.int32))
+    assert_y_close(jnp.concatenate(ys, axis=1), ref_y[:, :total], dtype)
+    assert_state_equal(conv, ref_state)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_chunked_ragged_prefill_equals_one_prefill(dtype):
+    """Two ragged 16-token chunks per row (some rows idle in one chunk) against one prefill of each row's
+    valid tokens packed together: the state handed from chunk to chunk is exactly what the conv needs."""
+    x, weight, state = conv_inputs(jax.random.PRNGKey(4), (4, 32), 192, dtype)
+    first, second = np.array([16, 0, 5, 11]), np.array([9, 16, 0, 3])
+    y1, conv = causal_conv1d_prefill_pallas(x[:, :16], weight, state, jnp.array(first), interpret=True)
+    y2, conv = causal_conv1d_prefill_pallas(x[:, 16:], weight, conv, jnp.array(second), interpret=True)
+    packed = np.zeros(x.shape, np.float32)
+    for row in range(4):
+        packed[row, : first[row]] = x[row, : first[row]]
+        packed[row, first[row] : first[row] + second[row]] = x[row, 16 : 16 + second[row]]
+    ref_y, ref_state = causal_conv1d_prefill_ref(jnp.asarray(packed, dtype), weight, state, jnp.array(first + second))
+    chunked = [np.float32(y)[row, :n] for row in range(4) for y, n in ((y1, first[row]), (y2, second[row]))]
+    whole = [np.float32(ref_y)[row, : first[row] + second[row]] for row in range(4)]
+    assert_y_close(np.concatenate(chunked), np.concatenate(whole), dtype)
+    assert_state_equal(conv, ref_state)
+
+
+def lower_for_h200(fn, *args) -> str:
+    """StableHLO of `fn` lowered for an abstract H200: runs the Pallas Triton lowering with no GPU present."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_lowers_to_triton_for_h200():
+    """4B shapes (C = 8192, K = 4) through the Triton lowering: tensor sizes are powers of two, every
+    primitive has a rule, and the grids are (B, C/512) and (P, T/16, C/256)."""
+    spec = jax.ShapeDtypeStruct
+    weight = spec((8192, TAPS), jnp.bfloat16)
+    update = lower_for_h200(
+        causal_conv1d_update_pallas, spec((256, 8192), jnp.bfloat16), weight, spec((256, 3, 8192), jnp.bfloat16)
+    )
+    prefill = lower_for_h200(
+        causal_conv1d_prefill_pallas,
+        spec((4, 512, 8192), jnp.bfloat16),
+        weight,
+        spec((4, 3, 8192), jnp.bfloat16),
+        spec((4,), jnp.int32),
+    )
+    assert re.findall(r"grid_[xyz] = (\d+)", update) == ["256", "16", "1"]
+    assert re.findall(r"grid_[xyz] = (\d+)", prefill) == ["4", "32", "32"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 256])
+def test_gpu_update_matches_ref_at_4b_shapes(batch):
+    _, weight, state = conv_inputs(jax.random.PRNGKey(0), (batch,), 8192, jnp.bfloat16)
+    step, ref_step = jax.jit(causal_conv1d_update_pallas), jax.jit(causal_conv1d_update_ref)
+    conv = ref_conv = state
+    for i in range(3):
+        x = jax.random.normal(jax.random.PRNGKey(i + 1), (batch, 8192)).astype(jnp.bfloat16)
+        y, conv = step(x, weight, conv)
+        ref_y, ref_conv = ref_step(x, weight, ref_conv)
+        assert_y_close(y, ref_y, jnp.bfloat16)
+        assert_state_equal(conv, ref_conv)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_matches_ref_at_4b_shapes():
+    x, weight, state = conv_inputs(jax.random.PRNGKey(0), (4, 512), 8192, jnp.bfloat16)
+    lengths = jnp.array([512, 0, 77, 301], jnp.int32)
+    y, conv = jax.jit(causal_conv1d_prefill_pallas)(x, weight, state, lengths)
+    ref_y, ref_conv = jax.jit(causal_conv1d_prefill_ref)(x, weight, state, lengths)
+    assert_y_close(y, ref_y, jnp.bfloat16)
+    assert_state_equal(conv, ref_conv)

@@ -1,0 +1,164 @@
+"""Micro-benchmark of the GDN one-token decode on one GPU at Qwen3.5-4B shapes (nk 16, nv 32, dk = dv = 128):
+the Pallas kernel against the jitted XLA reference and, when torch and flash-linear-attention are importable,
+fla's Triton `fused_recurrent_gated_delta_rule` (l2norm in the kernel, as here).
+
+    JAX_PLATFORMS=cuda python tools/bench_gdn_decode.py --batch 1 8 64 256
+    JAX_PLATFORMS=cuda python tools/bench_gdn_decode.py --batch 256 --sweep    # every (block_dv, num_warps)
+
+Time is device time a call: `iters` calls chained in one jitted loop (the state carried, as in serving), the
+best of `--repeats` runs, so host dispatch is not counted (fla: `iters` calls replayed from one CUDA graph).
+The kernel is memory bound; the roofline is bytes moved / 4.3 TB/s (the fp32 state read and written once
+dominates: 2 * 4 * dk * dv bytes a head). XLA may hoist the loop-invariant l2norm of q, k out of the
+reference's loop, which flatters the reference slightly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch when fla runs too
+
+HBM_BYTES_PER_S = 4.3e12
+SWEEP = [(block_dv, warps) for block_dv in (8, 16, 32, 64) for warps in (1, 2, 4, 8)]
+
+
+def make_inputs(batch, nk=16, nv=32, dk=128, dv=128):
+    import jax
+    import jax.numpy as jnp
+
+    kq, kk, kv, kg, kb, ks = jax.random.split(jax.random.PRNGKey(0), 6)
+    dtype = jnp.bfloat16
+    q = jax.random.normal(kq, (batch, nk, dk)).astype(dtype)
+    k = jax.random.normal(kk, (batch, nk, dk)).astype(dtype)
+    v = jax.random.normal(kv, (batch, nv, dv)).astype(dtype)
+    g = -jnp.exp(jax.random.uniform(kg, (batch, nv), minval=-5.0, maxval=1.0))
+    beta = jax.nn.sigmoid(jax.random.normal(kb, (batch, nv))).astype(dtype)
+    state = 0.5 * jax.random.normal(ks, (batch, nv, dk, dv), jnp.float32)
+    return q, k, v, g, beta, state
+
+
+def traffic(q, v, state) -> tuple[int, int]:
+    """(bytes moved, FLOPs) of one decode step: state read + written, q/k/v read once, o written, g and beta."""
+    batch, nv, dk, dv = state.shape
+    item = v.dtype.itemsize
+    bytes_moved = 2 * state.size * 4 + 2 * q.size * item + 2 * v.size * item + batch * nv * (4 + item)
+    flops = 7 * batch * nv * dk * dv  # decay, S^T k, rank-1 update (mul + add), S^T q
+    return bytes_moved, flops
+
+
+def device_time(step, inputs, iters: int, repeats: int) -> float:
+    """Seconds a call of step(q, k, v, g, beta, state) -> (o, state), chained `iters` times in one program."""
+    import jax
+
+    q, k, v, g, beta, state = inputs
+
+    @jax.jit
+    def chain(state):
+        def body(_, carry):
+            return step(q, k, v, g, beta, carry[1])
+
+        return jax.lax.fori_loop(0, iters, body, (v, state))
+
+    jax.block_until_ready(chain(state))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(chain(state))
+        best = min(best, time.perf_counter() - start)
+    return best / iters
+
+
+def fla_time(inputs, iters: int, repeats: int) -> float | None:
+    """Seconds a call of fla's fused_recurrent_gated_delta_rule, or None without torch + fla."""
+    try:
+        import torch
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except ImportError:
+        return None
+    import numpy as np
+
+    def to_torch(x, dtype):
+        return torch.from_numpy(np.asarray(x, np.float32)).to("cuda", dtype)
+
+    q, k, v, g, beta, state = inputs
+    tq, tk, tv = (to_torch(x, torch.bfloat16)[:, None] for x in (q, k, v))  # [B, T=1, heads, d]
+    tg, tbeta = to_torch(g, torch.float32)[:, None], to_torch(beta, torch.bfloat16)[:, None]
+    tstate = to_torch(state, torch.float32)
+
+    def call():
+        return fused_recurrent_gated_delta_rule(
+            q=tq, k=tk, v=tv, g=tg, beta=tbeta, initial_state=tstate, output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            call()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best / iters
+
+
+def report(name: str, seconds: float, bytes_moved: int, flops: int, ref_seconds: float, fla_seconds: float | None):
+    roofline = bytes_moved / HBM_BYTES_PER_S
+    line = (
+        f"  {name:<28} {seconds * 1e6:9.2f} us  {bytes_moved / 1e6:9.2f} MB  {flops / 1e9:7.3f} GFLOP"
+        f"  {100 * roofline / seconds:5.1f}% of 4.3 TB/s  x{ref_seconds / seconds:5.2f} vs XLA ref"
+    )
+    if fla_seconds is not None:
+        line += f"  x{fla_seconds / seconds:5.2f} vs fla"
+    print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="time every (block_dv, num_warps) in SWEEP")
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+
+    from qwen35_jax.kernels import gdn_decode
+
+    if jax.devices()[0].platform != "gpu":
+        sys.exit(f"bench_gdn_decode needs a GPU; JAX runs on {jax.devices()[0].platform} (set JAX_PLATFORMS=cuda)")
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16 q/k/v, fp32 state")
+    configs = SWEEP if args.sweep else [(gdn_decode.BLOCK_DV, gdn_decode.NUM_WARPS)]
+    for batch in args.batch:
+        inputs = make_inputs(batch)
+        bytes_moved, flops = traffic(inputs[0], inputs[2], inputs[5])
+        ref_seconds = device_time(gdn_decode.gdn_decode_ref, inputs, args.iters, args.repeats)
+        fla_seconds = fla_time(inputs, args.iters, args.repeats)
+        _, state = jax.jit(gdn_decode.gdn_decode_pallas)(*inputs)
+        _, ref_state = jax.jit(gdn_decode.gdn_decode_ref)(*inputs)
+        error = float(np.max(np.abs(np.asarray(state) - np.asarray(ref_state))))
+        print(f"batch {batch}: max |state - ref| {error:.2e}")
+        report("XLA reference", ref_seconds, bytes_moved, flops, ref_seconds, fla_seconds)
+        if fla_seconds is not None:
+            report("fla fused_recurrent", fla_seconds, bytes_moved, flops, ref_seconds, fla_seconds)
+        for block_dv, warps in configs:
+
+            def step(*xs, block_dv=block_dv, warps=warps):
+                return gdn_decode.gdn_decode_blocked(*xs, block_dv=block_dv, num_warps=warps)
+
+            seconds = device_time(step, inputs, args.iters, args.repeats)
+            report(f"pallas dv/{block_dv} warps {warps}", seconds, bytes_moved, flops, ref_seconds, fla_seconds)
+
+
+if __name__ == "__main__":
+    main()
