@@ -10,12 +10,23 @@ Layouts:
     page_table  [B, W] int32: page ids of each row in order (unused entries point at the trash page 0)
     lengths     [B] int32: tokens in the cache for each row, the current one included
 Returns o [B, H, D] in q's dtype.
+
+`paged_decode_attention_pallas` is the Pallas GPU kernel (Triton lowering; `interpret=True` runs it on the
+CPU): grid, split-K and numerics are in the notes above it. The helpers after those notes (the paged
+K/V gather and the online-softmax step) are shared with the prefill kernel. Its defaults (DECODE_TUNING:
+bf16 block_k 64, 4 warps, 2 stages) compiled for sm_90a at 4B shapes without register spills (Triton 3.6 +
+ptxas, offline); they are not tuned on a GPU yet (`tools/bench_attention.py --sweep` times the grid).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 
 def gather_pages(pages: jax.Array, layer, page_table: jax.Array) -> jax.Array:
@@ -41,3 +52,164 @@ def paged_decode_attention_ref(q, k_pages, v_pages, layer, page_table, lengths):
     v = gather_pages(v_pages, layer, page_table)
     mask = (jnp.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, :]
     return attend(q[:, None], k, v, mask, q.shape[-1] ** -0.5)[:, 0]
+
+
+# ---- Pallas GPU kernel (Triton lowering) -------------------------------------------------------------------
+#
+# Grid (B, KV, splits): one program per (row, KV head, split of the row's keys). Its tile holds the `group`
+# query heads of that KV head, padded to 16 rows (the smallest tensor-core M), so K/V of a head are read
+# once for all the heads that share it. The row's used key blocks, cdiv(lengths[b], block_k), are dealt
+# out evenly to the splits (flash-decoding: small batches fill the GPU); each split writes an unnormalised
+# partial output with its running max and denominator, and `merge_splits` combines them in XLA.
+# Keys are gathered token by token: position j of row b lives at page page_table[b, j // page_size],
+# offset j % page_size, so any page size works and a block may span pages. Lanes of the last block past
+# lengths[b] re-read the row's last token (an L1 hit) and are masked out of the softmax: nothing past the
+# row's length is read, neither the tail of its last page nor the unused page-table entries.
+#
+# Numerics (flash / online softmax): scores in fp32, a running max m and denominator l per query row in
+# fp32, exp(scores - m) rounded to the model dtype before the value product (fp32 accumulation), divided
+# by l at the end. The reference rounds the *normalised* probabilities instead; in bf16 both round each
+# probability to 8 mantissa bits, so outputs differ by about one bf16 ulp. In fp32 the two agree to
+# summation order (~1e-6). fp32 dots run in IEEE fp32 (no TF32), as the reference does on the CPU.
+
+H200_SMS = 132
+
+
+def dot_precision(dtype) -> lax.Precision | None:
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def matmul(a, b, *, transpose_b: bool = False, precision=None):
+    """a [M, K] @ b [K, N] (or b [N, K] transposed) with fp32 accumulation, as a tensor-core dot."""
+    contract = 1 if transpose_b else 0
+    return lax.dot_general(a, b, (((1,), (contract,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)  # fmt: skip
+
+
+def load_kv_block(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, positions):
+    """K and V [block_k, D] of one KV head of `row` at token `positions` [block_k] (all cached tokens)."""
+    page_size = k_pages_ref.shape[2]
+    pages = page_table_ref[row, lax.div(positions, page_size)]
+    index = (layer, pages, lax.rem(positions, page_size), kv_head, slice(None))
+    return k_pages_ref[index], v_pages_ref[index]
+
+
+def online_softmax_step(carry, scores, v, precision):
+    """Fold one key block into the running (o [M, D], m [M], l [M]); scores [M, block_k] fp32 with -inf where
+    masked. A row that has seen no visible key yet keeps m = -inf, l = 0, o = 0 (no NaN)."""
+    o, m, l = carry
+    m_next = jnp.maximum(m, scores.max(axis=-1))
+    m_safe = lax.select(m_next == -jnp.inf, lax.full_like(m_next, 0.0), m_next)
+    correction = jnp.exp(m - m_safe)
+    p = jnp.exp(scores - m_safe[:, None])
+    l_next = correction * l + p.sum(axis=-1)
+    o_next = correction[:, None] * o + matmul(p.astype(v.dtype), v, precision=precision)
+    return o_next, m_next, l_next
+
+
+def empty_softmax_state(rows: int, dim: int):
+    return (
+        jnp.zeros((rows, dim), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def normalise(o, l):
+    """o / l per row; rows that saw no key (l = 0) give 0."""
+    return o / lax.select(l > 0, l, lax.full_like(l, 1.0))[..., None]
+
+
+def pad_to(x, shape):
+    """Zero-pad x at the end of each axis up to `shape`. lax primitives only, here and in `merge_splits`: the
+    wrappers may run inside a stream-annotated region, where nested jits (jnp.pad, jnp.where) fail."""
+    return lax.pad(x, jnp.zeros((), x.dtype), [(0, n - d, 0) for d, n in zip(x.shape, shape, strict=True)])
+
+
+def loop_key_blocks(carry, first, last, first_masked, step):
+    """Run step(block, carry, masked) over blocks [first, last): blocks before first_masked need no mask."""
+    middle = jnp.clip(first_masked, first, last)
+    carry = lax.fori_loop(first, middle, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(middle, last, functools.partial(step, masked=True), carry)
+
+
+def _decode_kernel(layer_ref, lengths_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, m_ref, l_ref,
+                   *, block_k: int, num_splits: int, scale: float):  # fmt: skip
+    row, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length, layer = lengths_ref[row], layer_ref[0]
+    q = q_ref[...]  # [rows, D]: this KV head's query heads, zero-padded
+    precision = dot_precision(q.dtype)
+    num_blocks = pl.cdiv(length, block_k)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    first = split * per_split
+    last = jnp.minimum(first + per_split, num_blocks)
+
+    def step(block, carry, masked):
+        positions = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        if masked:  # the row's last block: lanes past the end re-read its last token and are masked out
+            positions = jnp.minimum(positions, length - 1)
+        k, v = load_kv_block(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, positions)
+        scores = matmul(q, k, transpose_b=True, precision=precision) * scale  # [rows, block_k] fp32
+        if masked:
+            scores = jnp.where((block * block_k + jnp.arange(block_k) < length)[None, :], scores, -jnp.inf)
+        return online_softmax_step(carry, scores, v, precision)
+
+    carry = empty_softmax_state(*q.shape)
+    o, m, l = loop_key_blocks(carry, first, last, lax.div(length, block_k), step)
+    o_ref[...], m_ref[...], l_ref[...] = o, m, l
+
+
+def merge_splits(o, m, l):
+    """Combine split partials: o [S, ..., D] unnormalised, m and l [S, ...] -> [..., D] fp32."""
+    m_max = m.max(axis=0)
+    m_max = lax.select(m_max == -jnp.inf, lax.full_like(m_max, 0.0), m_max)
+    weight = jnp.exp(m - m_max)  # empty splits (m = -inf) weigh 0
+    return normalise((o * weight[..., None]).sum(axis=0), (l * weight).sum(axis=0))
+
+
+def decode_splits(batch: int, kv_heads: int, max_tokens: int, block_k: int, num_sms: int = H200_SMS) -> int:
+    """Splits per row so that about two programs per SM run, at most 16 and no more than key blocks."""
+    wanted = pl.cdiv(2 * num_sms, batch * kv_heads)
+    return max(1, min(wanted, 16, pl.cdiv(max_tokens, block_k)))
+
+
+# Default (block_k, num_warps) by itemsize: the largest that compiled for sm_90a at head_dim 256 without
+# register spills (Triton 3.6 + ptxas, offline). fp32 dots are FMA loops over twice the bytes: half the block.
+DECODE_TUNING = {2: (64, 4), 4: (32, 8)}
+
+
+def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, lengths, *, interpret=False,
+                                  block_k: int | None = None, num_splits: int | None = None,
+                                  num_warps: int | None = None, num_stages: int = 2):  # fmt: skip
+    """Pallas version of `paged_decode_attention_ref` (same arguments and result); see the notes above.
+    block_k (tokens per key block), num_splits (None: `decode_splits`), num_warps and num_stages tune it;
+    None takes DECODE_TUNING's value for q's dtype."""
+    default_block_k, default_warps = DECODE_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
+    block_k, num_warps = block_k or default_block_k, num_warps or default_warps
+    batch, heads, dim = q.shape
+    kv_heads, page_size = k_pages.shape[3], k_pages.shape[2]
+    group = heads // kv_heads
+    rows = max(16, pl.next_power_of_2(group))
+    qg = pad_to(q.reshape(batch, kv_heads, group, dim), (batch, kv_heads, rows, dim))
+    if num_splits is None:
+        num_splits = decode_splits(batch, kv_heads, page_table.shape[1] * page_size, block_k)
+    kernel = functools.partial(_decode_kernel, block_k=block_k, num_splits=num_splits, scale=dim**-0.5)
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    partial_shape = (num_splits, batch, kv_heads, rows)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, num_splits),
+        in_specs=[whole, whole, whole, pl.BlockSpec((None, None, rows, dim), lambda b, h, s: (b, h, 0, 0)),
+                  whole, whole],
+        out_specs=[pl.BlockSpec((None, None, None, rows, dim), lambda b, h, s: (s, b, h, 0, 0)),
+                   pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
+                   pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((*partial_shape, dim), jnp.float32),
+                   jax.ShapeDtypeStruct(partial_shape, jnp.float32),
+                   jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), lengths, page_table, qg, k_pages, v_pages)  # fmt: skip
+    out = merge_splits(o, m, l)[:, :, :group]  # [B, KV, group, D]
+    return out.reshape(batch, heads, dim).astype(q.dtype)

@@ -1,0 +1,229 @@
+"""Micro-benchmark of the paged attention kernels on the GPU: the Pallas kernel against the jitted XLA
+reference, each next to its roofline (decode: bytes moved / 4.3 TB/s; prefill: FLOPs / 790 TFLOP/s bf16).
+
+    python tools/bench_attention.py                                   # both kernels, 4B heads, default cases
+    python tools/bench_attention.py --kernel decode --batch 1 8 64 --context 1024 4096
+    python tools/bench_attention.py --kernel prefill --chunk 512 --prefix 0 4096 --sweep
+    python tools/bench_attention.py --interpret                       # CPU logic check, tiny shapes
+
+Every row: its case; the kernel's time per call, its useful bytes and FLOPs, the roofline time and the kernel's
+share of it (% of roofline = roofline time / measured time); the reference's time and the speed ratio
+(reference time / kernel time). Decode rows hold `context` cached tokens each; prefill rows a chunk of
+`chunk` tokens after `prefix` cached ones. Each timed call runs the op `repeats` times back to back inside
+one jitted program, on a different layer of a pool of at least 256 MiB so that the 50 MB L2 holds no
+previous call's K/V; times include the launch gaps between those kernels. The page-table width is
+`--max-model-len` / page_size, as the engine sizes it: the reference gathers the whole width, the kernel
+only the pages a row uses. `--sweep` also times the tuning grid and prints the best configuration per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+import time
+
+import numpy as np
+
+HBM_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 790e12
+MIN_POOL_BYTES = 256 * 2**20
+
+DECODE_SWEEP = [dict(block_k=bk, num_warps=w, num_stages=s) for bk, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]  # fmt: skip
+PREFILL_SWEEP = [dict(tile_rows=r, block_k=bk, num_warps=w, num_stages=s)
+                 for r, bk, w, s in itertools.product((64, 128), (32, 64), (4, 8), (2, 3))]  # fmt: skip
+
+
+def make_inputs(rng, lengths, heads, kv_heads, dim, page_size, width, dtype, queries, min_pool_bytes):
+    """q [R, H, D] (queries None) or [R, queries, H, D]; pools sized to the rows' pages with at least
+    min_pool_bytes over all layers; page tables of shuffled pages. Returns (q, k, v, table, layers)."""
+    import jax.numpy as jnp
+
+    pages_per_row = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per_row) + 1
+    layer_bytes = num_pages * page_size * kv_heads * dim * jnp.dtype(dtype).itemsize * 2
+    layers = max(1, min(64, -(-min_pool_bytes // layer_bytes)))
+    ids = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((len(lengths), width), np.int32)
+    for row, count in enumerate(pages_per_row):
+        table[row, :count] = ids[sum(pages_per_row[:row]) : sum(pages_per_row[: row + 1])]
+    shape = (layers, num_pages, page_size, kv_heads, dim)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    q_shape = (len(lengths), heads, dim) if queries is None else (len(lengths), queries, heads, dim)
+    q = jnp.asarray(rng.standard_normal(q_shape, np.float32), dtype)
+    return q, k, v, jnp.asarray(table), layers
+
+
+def seconds_per_call(op, args, layers: int, repeats: int, trials: int) -> float:
+    """Best of `trials` wall times of one program that runs op `repeats` times on layers 0, 1, ... (mod layers)."""
+    import jax
+    import jax.numpy as jnp
+
+    def program(q, k, v, *rest):
+        return [op(q, k, v, jnp.int32(i % layers), *rest) for i in range(repeats)]
+
+    compiled = jax.jit(program)
+    for _ in range(2):  # the first call in a process can change JAX's tracing context and retrace once
+        jax.block_until_ready(compiled(*args))
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        best = min(best, time.perf_counter() - start)
+    return best / repeats
+
+
+def decode_work(lengths, heads, kv_heads, dim, page_size, itemsize) -> tuple[float, float]:
+    """(bytes, FLOPs) a decode call must move and compute: each cached K/V once, q, o and the used page ids."""
+    tokens = float(sum(lengths))
+    kv = tokens * kv_heads * dim * 2 * itemsize
+    q_and_o = len(lengths) * heads * dim * 2 * itemsize
+    page_ids = sum(-(-n // page_size) for n in lengths) * 4
+    return kv + q_and_o + page_ids, 4.0 * tokens * heads * dim
+
+
+def prefill_work(starts, lengths, chunk, heads, kv_heads, dim, itemsize) -> tuple[float, float]:
+    """(bytes, FLOPs) of a prefill call: each row's cached K/V once plus q and o; QK^T and PV over the causal
+    keys of each valid query (4 FLOPs per query, key, head and dim)."""
+    keys = sum(n * s + n * (n + 1) / 2 for s, n in zip(starts, lengths, strict=True))
+    kv = sum(s + n for s, n in zip(starts, lengths, strict=True)) * kv_heads * dim * 2 * itemsize
+    q_and_o = len(lengths) * chunk * heads * dim * 2 * itemsize
+    return kv + q_and_o, 4.0 * keys * heads * dim
+
+
+def roofline_seconds(bytes_moved: float, flops: float) -> float:
+    return max(bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S)
+
+
+def prefill_options(config: dict, group: int) -> dict:
+    """A sweep entry in tile rows -> the kernel's block_q for this GQA group."""
+    config = dict(config)
+    rows = config.pop("tile_rows", None)
+    if rows is not None:
+        config["block_q"] = max(1, rows // (1 << (group - 1).bit_length()))
+    return config
+
+
+def bench_case(kind: str, case: dict, shape: dict, args, configs: list[dict]) -> list[dict]:
+    """Time the reference and every kernel configuration of one case; one result row per configuration."""
+    import jax.numpy as jnp
+
+    from qwen35_jax.kernels.decode_attention import paged_decode_attention_pallas, paged_decode_attention_ref
+    from qwen35_jax.kernels.prefill_attention import paged_prefill_attention_pallas, paged_prefill_attention_ref
+
+    rng = np.random.default_rng(0)
+    dtype, itemsize = jnp.dtype(args.dtype), jnp.dtype(args.dtype).itemsize
+    heads, kv_heads, dim, page_size = shape["heads"], shape["kv_heads"], shape["dim"], args.page_size
+    width = -(-args.max_model_len // page_size)
+    pool = 0 if args.interpret else MIN_POOL_BYTES
+    if kind == "decode":
+        lengths = [case["context"]] * case["batch"]
+        q, k, v, table, layers = make_inputs(rng, lengths, heads, kv_heads, dim, page_size, width, dtype, None, pool)
+        rest = (table, jnp.asarray(lengths, jnp.int32))
+        work = decode_work(lengths, heads, kv_heads, dim, page_size, itemsize)
+        ref, kernel = paged_decode_attention_ref, paged_decode_attention_pallas
+    else:
+        starts, lengths = [case["prefix"]] * case["rows"], [case["chunk"]] * case["rows"]
+        ends = [s + n for s, n in zip(starts, lengths, strict=True)]
+        q, k, v, table, layers = make_inputs(
+            rng, ends, heads, kv_heads, dim, page_size, width, dtype, case["chunk"], pool
+        )
+        rest = (table, jnp.asarray(starts, jnp.int32), jnp.asarray(lengths, jnp.int32))
+        work = prefill_work(starts, lengths, case["chunk"], heads, kv_heads, dim, itemsize)
+        ref, kernel = paged_prefill_attention_ref, paged_prefill_attention_pallas
+    timing = dict(layers=layers, repeats=args.repeats, trials=args.trials)
+    operands = (q, k, v, *rest)
+    ref_s = seconds_per_call(ref, operands, **timing)
+    rows = []
+    for config in configs:
+        options = prefill_options(config, heads // kv_heads) if kind == "prefill" else dict(config)
+        op = functools.partial(kernel, interpret=args.interpret, **options)
+        try:
+            kernel_s = seconds_per_call(op, operands, **timing)
+        except Exception as error:  # a configuration that does not compile (shared memory, registers)
+            rows.append(dict(kind=kind, **case, config=config, error=f"{type(error).__name__}: {error}"[:200]))
+            continue
+        roof = roofline_seconds(*work)
+        rows.append(dict(kind=kind, **case, config=config, kernel_us=kernel_s * 1e6, ref_us=ref_s * 1e6,
+                         bytes=work[0], flops=work[1], roofline_us=roof * 1e6,
+                         roofline_pct=100 * roof / kernel_s, speedup=ref_s / kernel_s))  # fmt: skip
+    return rows
+
+
+def format_row(row: dict) -> str:
+    case = {k: v for k, v in row.items() if k in ("batch", "context", "rows", "chunk", "prefix")}
+    label = " ".join(f"{k}={v}" for k, v in case.items())
+    config = " ".join(f"{k}={v}" for k, v in row["config"].items()) or "defaults"
+    if "error" in row:
+        return f"{row['kind']:8s} {label:34s} {config:44s} FAILED {row['error']}"
+    return (f"{row['kind']:8s} {label:34s} {config:44s} {row['kernel_us']:9.1f} us {row['bytes'] / 1e6:9.1f} MB "
+            f"{row['flops'] / 1e9:9.2f} GFLOP {row['roofline_us']:8.1f} us {row['roofline_pct']:5.1f}% "
+            f"ref {row['ref_us']:9.1f} us  x{row['speedup']:.2f}")  # fmt: skip
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", choices=("decode", "prefill", "both"), default="both")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64], help="decode rows")
+    parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode cached tokens per row")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1], help="prefill rows")
+    parser.add_argument("--chunk", type=int, nargs="+", default=[128, 512, 1024], help="prefill chunk tokens")
+    parser.add_argument("--prefix", type=int, nargs="+", default=[0, 4096], help="prefill cached tokens before")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None, help="page-table width x page size")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=20, help="calls per timed program")
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="also time the tuning grid")
+    parser.add_argument("--interpret", action="store_true", help="CPU logic check at tiny shapes (times mean nothing)")
+    parser.add_argument("--json", default=None, help="write every result row here")
+    args = parser.parse_args(argv)
+    if args.interpret:
+        args.batch, args.context, args.rows, args.chunk, args.prefix = [2], [40], [2], [16], [0, 21]
+        args.heads, args.kv_heads, args.head_dim, args.repeats, args.trials = 4, 2, 32, 1, 1
+    longest = max(max(args.context), max(args.chunk) + max(args.prefix))
+    args.max_model_len = args.max_model_len or longest
+    return args
+
+
+def main(argv=None) -> int:
+    import jax
+
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    if device.platform != "gpu" and not args.interpret:
+        print(f"GPU only: JAX runs on {device.platform}; pass --interpret for a CPU logic check", file=sys.stderr)
+        return 2
+    print(f"# {' '.join(sys.argv)}\n# {device.device_kind}, jax {jax.__version__}, {args.dtype}, heads "
+          f"{args.heads}/{args.kv_heads} x {args.head_dim}, page size {args.page_size}, width "
+          f"{-(-args.max_model_len // args.page_size)} pages")  # fmt: skip
+    shape = dict(heads=args.heads, kv_heads=args.kv_heads, dim=args.head_dim)
+    cases = []
+    if args.kernel in ("decode", "both"):
+        cases += [("decode", dict(batch=b, context=c)) for b in args.batch for c in args.context]
+    if args.kernel in ("prefill", "both"):
+        cases += [("prefill", dict(rows=r, chunk=t, prefix=s)) for r in args.rows for t in args.chunk for s in args.prefix]  # fmt: skip
+    results = []
+    for kind, case in cases:
+        configs = [{}] + ((DECODE_SWEEP if kind == "decode" else PREFILL_SWEEP) if args.sweep else [])
+        rows = bench_case(kind, case, shape, args, configs)
+        results += rows
+        for row in rows:
+            print(format_row(row), flush=True)
+        timed = [r for r in rows if "error" not in r]
+        if args.sweep and timed:
+            print("  best:", format_row(min(timed, key=lambda r: r["kernel_us"])), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
