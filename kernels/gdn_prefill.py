@@ -21,9 +21,13 @@ state untouched: their beta, g and k are zeroed, which makes each of their updat
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 CHUNK = 64
 
@@ -88,3 +92,239 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state, lengths):
     out, state = _chunk_scan(chunked(q), chunked(k), chunked(v.astype(jnp.float32)), chunked(g), chunked(beta), state)
     out = jnp.moveaxis(out.reshape(num_rows, num_heads, n * CHUNK, dv), 1, 2)[:, :seq]
     return out.astype(v.dtype), state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pallas GPU kernel (Triton lowering; `interpret=True` runs it on the CPU).
+#
+# Two pallas_calls, following the WY decomposition of the chunked form above:
+#   1. `_wy_prep_kernel`, grid (P, nv, chunks), fully parallel: per chunk and value head it l2-normalises k, masks the
+#      padding tokens, takes the cumulative gates gamma and solves (I + A) [W | U] = [beta exp(gamma) K | beta V] by
+#      blocked forward substitution over four 16-row blocks (each diagonal block inverted row by row, the blocks below
+#      it updated with small matmuls), so neither A nor its inverse ever leaves registers.
+#   2. `_state_pass_kernel`, grid (P, nv, dv / block_v): walks the row's valid chunks in order, carrying its fp32 state
+#      slice S [dk, block_v] in registers; per chunk it forms V' = U - W S, the output (Q exp(gamma)) S + causal(Q K^T
+#      Gamma) V' and the next state. Chunks past a row's length are not computed (their output is written as zeros).
+# No jnp glue runs over the activations: l2norm, the query scale and the key-head -> value-head repeat (a BlockSpec
+# index map) happen inside the kernels; the only glue is a pad of the token axis up to a multiple of 64 when T is not
+# one (the engine's chunk buckets are powers of two >= 16, so only T = 16 or 32 pads, a few KiB).
+# Matmul operands are bf16 when the inputs are bf16 (fp32 accumulation: the tensor-core path), and exact fp32 (IEEE)
+# when the inputs are fp32; gates, decays, norms, the triangular solve's row steps and the state stay fp32.
+# ---------------------------------------------------------------------------------------------------------------------
+
+SUB = 16  # rows per diagonal block of the intra-chunk triangular solve
+
+
+def _dot(a, b, exact: bool, contract=((1,), (0,))):
+    """a @ b (or a^T b / a b^T through `contract`) with fp32 accumulation; bf16 operands unless `exact`."""
+    if exact:
+        a, b, precision = a.astype(jnp.float32), b.astype(jnp.float32), lax.Precision.HIGHEST
+    else:
+        a, b, precision = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
+    return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _iota(shape, dim):
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _unit_lower_inverses(lowers: list[jax.Array]) -> list[jax.Array]:
+    """(I + L)^-1 for each strictly lower-triangular [SUB, SUB] L, by forward substitution one row at a time; the
+    blocks are independent and advance together so that their steps overlap."""
+    rows, cols = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+
+    def substitute_row(i, inverses):
+        updated = []
+        for lower, inverse in zip(lowers, inverses, strict=True):
+            coeffs = jnp.sum(jnp.where(rows == i, lower, 0.0), axis=0)  # L[i, :]
+            row = jnp.sum(coeffs[:, None] * inverse, axis=0)  # L[i, :] @ inverse: only rows < i (final) contribute
+            updated.append(inverse - jnp.where(rows == i, row[None, :], 0.0))
+        return tuple(updated)
+
+    identity = jnp.where(rows == cols, 1.0, 0.0)
+    return list(lax.fori_loop(1, SUB, substitute_row, (identity,) * len(lowers)))
+
+
+def _load_sub_block(k_ref, v_ref, g_ref, beta_ref, a: int, start, length):
+    """Tokens [a*SUB, (a+1)*SUB) of the chunk in fp32: k l2-normalised; padding tokens zeroed (g = 0: no decay)."""
+    rows = pl.ds(a * SUB, SUB)
+    valid = start + a * SUB + lax.iota(jnp.int32, SUB) < length  # [SUB]
+    k = jnp.where(valid[:, None], l2norm(k_ref[rows, :].astype(jnp.float32)), 0.0)
+    v = jnp.where(valid[:, None], v_ref[rows, :].astype(jnp.float32), 0.0)
+    beta = jnp.where(valid, beta_ref[rows].astype(jnp.float32), 0.0)
+    g = jnp.where(valid, g_ref[rows].astype(jnp.float32), 0.0)
+    return k, v, beta, g
+
+
+def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_ref, *, exact: bool):
+    """One chunk of one value head: k [C, dk], v [C, dv], g/beta [C] -> w [C, dk], u [C, dv], gamma [C].
+
+    Solves (I + A) [W | U] = [beta exp(gamma) K | beta V] over row blocks a of SUB tokens:
+        X_a = (I + A_aa)^-1 (R_a - sum_{b<a} A_ab X_b),   A_ab = (beta_a K_a) K_b^T * exp(gamma_a - gamma_b^T)
+    """
+    start = pl.program_id(2) * CHUNK
+    length = lengths_ref[...]
+
+    @pl.when(start < length)
+    def _():
+        blocks = [_load_sub_block(k_ref, v_ref, g_ref, beta_ref, a, start, length) for a in range(CHUNK // SUB)]
+        keys = [k for k, _, _, _ in blocks]
+        keys_beta = [k * beta[:, None] for k, _, beta, _ in blocks]
+        gammas, offset = [], jnp.zeros((), jnp.float32)
+        for _, _, _, g in blocks:
+            gammas.append(jnp.cumsum(g) + offset)
+            offset = offset + jnp.sum(g)
+
+        strict = _iota((SUB, SUB), 0) > _iota((SUB, SUB), 1)
+        diagonals = []
+        for k, k_beta, gamma in zip(keys, keys_beta, gammas, strict=True):
+            decay = jnp.exp(jnp.where(strict, gamma[:, None] - gamma[None, :], 0.0))
+            diagonals.append(jnp.where(strict, _dot(k_beta, k, exact, ((1,), (1,))) * decay, 0.0))
+        inverses = _unit_lower_inverses(diagonals)
+
+        w_blocks, u_blocks = [], []
+        for a, (_, v, beta, _) in enumerate(blocks):
+            rhs_w, rhs_u = keys_beta[a] * jnp.exp(gammas[a])[:, None], v * beta[:, None]
+            for b in range(a):  # every token of block b precedes every token of block a
+                decay = jnp.exp(gammas[a][:, None] - gammas[b][None, :])
+                block = _dot(keys_beta[a], keys[b], exact, ((1,), (1,))) * decay  # A_ab
+                rhs_w = rhs_w - _dot(block, w_blocks[b], exact)
+                rhs_u = rhs_u - _dot(block, u_blocks[b], exact)
+            # Kept in the stored dtype: every later use is a matmul operand of that dtype anyway.
+            w_blocks.append(_dot(inverses[a], rhs_w, exact).astype(w_ref.dtype))
+            u_blocks.append(_dot(inverses[a], rhs_u, exact).astype(u_ref.dtype))
+            rows = pl.ds(a * SUB, SUB)
+            w_ref[rows, :] = w_blocks[a]
+            u_ref[rows, :] = u_blocks[a]
+            gamma_ref[rows] = gammas[a]
+
+
+def _state_pass_kernel(
+    lengths_ref, q_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, o_ref, state_out_ref, *, exact: bool, scale: float
+):
+    """One (row, value head, dv slice): q/k/w [T, dk], u [T, bv], gamma [T], state [dk, bv] -> o [T, bv], state."""
+    length = lengths_ref[...]
+    num_chunks = o_ref.shape[0] // CHUNK
+    num_valid = (length + CHUNK - 1) // CHUNK
+    causal = _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
+
+    def chunk_step(c, state):  # state [dk, bv] fp32
+        start = pl.multiple_of(c * CHUNK, CHUNK)
+        rows = pl.ds(start, CHUNK)
+        valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
+        # Normalised q/k are matmul operands only: keep them in the operand dtype (halves their registers in bf16).
+        q = (l2norm(q_ref[rows, :].astype(jnp.float32)) * scale).astype(w_ref.dtype)
+        k = jnp.where(valid[:, None], l2norm(k_ref[rows, :].astype(jnp.float32)), 0.0).astype(w_ref.dtype)
+        gamma = gamma_ref[rows]
+        gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma
+        v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], state, exact)  # [C, bv]
+        attn = _dot(q, k, exact, ((1,), (1,))) * jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0))
+        attn = jnp.where(causal, attn, 0.0)
+        out = _dot(q.astype(jnp.float32) * jnp.exp(gamma)[:, None], state, exact) + _dot(attn, v_new, exact)
+        o_ref[rows, :] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
+        k_decayed = k.astype(jnp.float32) * jnp.exp(gamma_last - gamma)[:, None]
+        return state * jnp.exp(gamma_last) + _dot(k_decayed, v_new, exact, ((0,), (0,)))
+
+    def zero_chunk(c, carry):  # outputs of padding-only chunks are defined as zeros
+        o_ref[pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK), :] = jnp.zeros((CHUNK, o_ref.shape[1]), o_ref.dtype)
+        return carry
+
+    state_out_ref[...] = lax.fori_loop(0, num_valid, chunk_step, state_ref[...])
+    lax.fori_loop(num_valid, num_chunks, zero_chunk, 0)
+
+
+def _wy_prep(k, v, g, beta, lengths, exact: bool, interpret: bool):
+    """k [P, T, nk, dk], v [P, T, nv, dv], g/beta [P, T, nv] -> w [P, nv, T, dk], u [P, nv, T, dv], gamma [P, nv, T]."""
+    num_rows, seq, num_heads, dv = v.shape
+    dk = k.shape[-1]
+    ratio = num_heads // k.shape[2]
+    store = jnp.float32 if exact else jnp.bfloat16
+    return pl.pallas_call(
+        functools.partial(_wy_prep_kernel, exact=exact),
+        grid=(num_rows, num_heads, seq // CHUNK),
+        in_specs=[
+            pl.BlockSpec((None,), lambda p, h, c: (p,)),
+            pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c: (p, c, h // ratio, 0)),
+            pl.BlockSpec((None, CHUNK, None, dv), lambda p, h, c: (p, c, h, 0)),
+            pl.BlockSpec((None, CHUNK, None), lambda p, h, c: (p, c, h)),
+            pl.BlockSpec((None, CHUNK, None), lambda p, h, c: (p, c, h)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, CHUNK, dk), lambda p, h, c: (p, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK, dv), lambda p, h, c: (p, h, c, 0)),
+            pl.BlockSpec((None, None, CHUNK), lambda p, h, c: (p, h, c)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_rows, num_heads, seq, dk), store),
+            jax.ShapeDtypeStruct((num_rows, num_heads, seq, dv), store),
+            jax.ShapeDtypeStruct((num_rows, num_heads, seq), jnp.float32),
+        ],
+        compiler_params=plt.CompilerParams(num_warps=8, num_stages=2),  # 4 warps spill (ptxas, sm_90)
+        interpret=interpret,
+        name="gdn_prefill_wy_prep",
+    )(lengths, k, v, g, beta)
+
+
+def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int, int], exact: bool, interpret: bool):
+    """The sequential pass over chunks; returns o [P, T, nv, dv] and the new state [P, nv, dk, dv]."""
+    num_rows, num_heads, seq, dv = u.shape
+    dk = q.shape[-1]
+    ratio = num_heads // q.shape[2]
+    block_v, num_warps = tiling
+    row_major = pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, h // ratio, 0))
+    state_spec = pl.BlockSpec((None, None, dk, block_v), lambda p, h, j: (p, h, 0, j))
+    return pl.pallas_call(
+        functools.partial(_state_pass_kernel, exact=exact, scale=dk**-0.5),
+        grid=(num_rows, num_heads, dv // block_v),
+        in_specs=[
+            pl.BlockSpec((None,), lambda p, h, j: (p,)),
+            row_major,
+            row_major,
+            pl.BlockSpec((None, None, seq, dk), lambda p, h, j: (p, h, 0, 0)),
+            pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j)),
+            pl.BlockSpec((None, None, seq), lambda p, h, j: (p, h, 0)),
+            state_spec,
+        ],
+        out_specs=[pl.BlockSpec((None, seq, None, block_v), lambda p, h, j: (p, 0, h, j)), state_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_rows, seq, num_heads, dv), out_dtype),
+            jax.ShapeDtypeStruct(state.shape, jnp.float32),
+        ],
+        input_output_aliases={6: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="gdn_prefill_state_pass",
+    )(lengths, q, k, w, u, gamma, state)
+
+
+def _default_block_v(num_rows: int, num_heads: int, dv: int) -> int:
+    """Slices of dv per (row, head) in the sequential pass: 64 wide, or 32 when that leaves fewer than ~2 programs per
+    SM of an H200 (132 SMs) — the pass is latency-bound, so more independent programs beat less recomputed Q K^T."""
+    block_v = min(64, dv)
+    if num_rows * num_heads * (dv // block_v) < 264 and dv >= 32:
+        block_v = 32
+    return block_v
+
+
+def gdn_chunked_prefill_pallas(q, k, v, g, beta, state, lengths, *, interpret=False, block_v=None, num_warps=None):
+    """Pallas form of `gdn_chunked_prefill_ref`: same layouts, math and result dtypes.
+
+    block_v / num_warps tile the sequential pass (dv slice per program, warps per program); None picks defaults.
+
+    The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.
+    dk and dv must be powers of two >= 16 (Triton tiles); T any length (padded to a multiple of 64 inside).
+    """
+    num_rows, seq, num_heads, dv = v.shape
+    dk = q.shape[-1]
+    assert k.shape == q.shape and num_heads % q.shape[2] == 0, (q.shape, k.shape, v.shape)
+    assert all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv)), f"dk={dk}, dv={dv}: powers of two >= 16"
+    exact = q.dtype == jnp.float32
+    block_v = block_v or _default_block_v(num_rows, num_heads, dv)
+    tiling = (block_v, num_warps or (8 if block_v <= 32 else 4))  # the fewest spills at dk = 128 (ptxas, sm_90)
+    pad = (-seq) % CHUNK
+    if pad:
+        q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, seq)
+    w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, exact, interpret)
+    out, state = _state_pass(q, k, w, u, gamma, state.astype(jnp.float32), lengths, v.dtype, tiling, exact, interpret)
+    return out[:, :seq], state

@@ -1,0 +1,199 @@
+"""The Pallas GDN chunked prefill against the pure-JAX reference (CPU: Pallas interpret mode) and against the
+token-by-token recurrence of the decode reference.
+
+Tolerances, as max |error| / max |reference| over a tensor:
+- fp32 inputs: 2e-5. Both sides are fp32 end to end (the kernel's matmuls use exact fp32 operands); what is
+  left is summation order and the blocked triangular solve against `solve_triangular`: measured <= 4e-7 here.
+- bf16 inputs: 2.5e-2 for outputs, 1.5e-2 for states. The reference runs in fp32 on the same bf16 inputs, while
+  the kernel rounds every matmul operand (normalised q/k, the WY factors w/u, the state, V') to bf16
+  (2^-9 = 0.2% each, several chained per chunk) with fp32 accumulation, as flash-linear-attention does, and the
+  output itself is bf16 (0.4% at its largest values): measured <= 0.8% (outputs) and <= 0.6% (states). A wrong
+  gate, mask, decay or state hand-off moves these by tens of percent.
+Outputs are compared at valid tokens only; at padding tokens the kernel writes zeros (checked).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen35_jax.kernels.gdn_decode import gdn_decode_ref
+from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
+
+TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2.5e-2, 1.5e-2)}  # (outputs, states)
+
+
+def make_inputs(seed, rows, seq, nk, nv, dk, dv, dtype):
+    """Random GDN inputs shaped like the model's: g = -exp(A_log) softplus(a + dt_bias) <= 0, beta = sigmoid(b)."""
+    keys = jax.random.split(jax.random.key(seed), 7)
+    q = jax.random.normal(keys[0], (rows, seq, nk, dk)).astype(dtype)
+    k = jax.random.normal(keys[1], (rows, seq, nk, dk)).astype(dtype)
+    v = jax.random.normal(keys[2], (rows, seq, nv, dv)).astype(dtype)
+    a_log = jnp.linspace(-4.0, 1.0, nv)  # slow to fast decaying heads
+    g = -jnp.exp(a_log) * jax.nn.softplus(jax.random.normal(keys[3], (rows, seq, nv)) - 1.0)
+    beta = jax.nn.sigmoid(2.0 * jax.random.normal(keys[4], (rows, seq, nv))).astype(dtype)
+    state = 0.3 * jax.random.normal(keys[5], (rows, nv, dk, dv))
+    return q, k, v, g, beta, state
+
+
+def valid_mask(lengths, seq):
+    return np.arange(seq)[None, :] < np.asarray(lengths)[:, None]  # [P, T]
+
+
+def relative_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-6))
+
+
+def assert_matches(out, state, out_ref, state_ref, lengths, dtype):
+    out_tol, state_tol = TOLERANCES[jnp.dtype(dtype).name]
+    valid = valid_mask(lengths, out.shape[1])[..., None, None]
+    out, out_ref = np.asarray(out, np.float32), np.asarray(out_ref, np.float32)
+    assert relative_error(np.where(valid, out, 0.0), np.where(valid, out_ref, 0.0)) <= out_tol
+    assert not np.any(np.where(valid, 0.0, out)), "padding tokens must get zero output"
+    assert relative_error(state, state_ref) <= state_tol
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_v"))
+def pallas(q, k, v, g, beta, state, lengths, interpret=True, block_v=None):
+    return gdn_chunked_prefill_pallas(q, k, v, g, beta, state, lengths, interpret=interpret, block_v=block_v)
+
+
+reference = jax.jit(gdn_chunked_prefill_ref)
+
+
+@pytest.mark.parametrize(
+    "seq, nk, nv, dk, dv, dtype, block_v",
+    [
+        (192, 2, 4, 128, 128, "float32", None),  # real head size, value/key ratio 2
+        (192, 2, 4, 128, 128, "bfloat16", 64),
+        (80, 2, 2, 32, 16, "float32", None),  # ratio 1; T a multiple of 16, not of 64
+        (16, 1, 1, 16, 32, "bfloat16", None),  # the smallest chunk bucket
+    ],
+)
+def test_matches_reference_on_ragged_rows(seq, nk, nv, dk, dv, dtype, block_v):
+    """Rows of different lengths in one call (full, not a multiple of 64, empty, one token), each from its own state."""
+    inputs = make_inputs(0, 4, seq, nk, nv, dk, dv, jnp.dtype(dtype))
+    lengths = jnp.array([seq, seq - 13, 0, 1], jnp.int32)
+    out, state = pallas(*inputs, lengths, block_v=block_v)
+    out_ref, state_ref = reference(*inputs, lengths)
+    assert out.dtype == out_ref.dtype and state.dtype == jnp.float32
+    assert_matches(out, state, out_ref, state_ref, lengths, dtype)
+    np.testing.assert_array_equal(state[2], inputs[-1][2])  # the empty row keeps its state bit for bit
+
+
+def test_padding_tokens_are_inert():
+    """Garbage (NaN) at padding tokens changes neither the states nor the valid outputs; padding rows keep their
+    state bit for bit."""
+    seq = 160  # the shapes of test_state_carries_across_calls: one compile for both
+    q, k, v, g, beta, state = make_inputs(1, 3, seq, 1, 2, 16, 16, jnp.float32)
+    lengths = jnp.array([100, 0, 64], jnp.int32)
+    padding = ~valid_mask(lengths, seq)
+    poisoned = [jnp.where(padding.reshape(padding.shape + (1,) * (x.ndim - 2)), jnp.nan, x) for x in (q, k, v, g, beta)]
+    out, new_state = pallas(*poisoned, state, lengths)
+    out_ref, state_ref = reference(q, k, v, g, beta, state, lengths)
+    assert_matches(out, new_state, out_ref, state_ref, lengths, jnp.float32)
+    np.testing.assert_array_equal(new_state[1], state[1])
+
+
+def recurrence(q, k, v, g, beta, state, lengths):
+    """Token by token through the decode reference; rows past their length keep their state."""
+
+    def step(state, xs):
+        t, q_t, k_t, v_t, g_t, beta_t = xs
+        out, stepped = gdn_decode_ref(q_t, k_t, v_t, g_t, beta_t, state)
+        return jnp.where((t < lengths)[:, None, None, None], stepped, state), out
+
+    tokens = (jnp.arange(q.shape[1]),) + tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    state, outs = jax.lax.scan(step, state, tokens)
+    return jnp.moveaxis(outs, 0, 1), state
+
+
+def test_state_carries_across_calls():
+    """Two calls (each row split at its own point) equal one call over the concatenation, and both equal the
+    token-by-token recurrence. Row 2 repeats one key with beta ~ 1 and no decay: the hardest triangular solve."""
+    seq, nv = 160, 2
+    q, k, v, g, beta, state = make_inputs(2, 3, seq, 1, nv, 16, 16, jnp.float32)
+    k = k.at[2].set(k[2, :1])
+    beta = beta.at[2].set(0.99)
+    g = g.at[2].set(-1e-3)
+    lengths = jnp.array([seq, 150, 130], jnp.int32)
+    split = np.array([64, 37, 100])  # tokens of each row in the first call
+
+    out_full, state_full = pallas(q, k, v, g, beta, state, lengths)
+    first = jnp.asarray(split, jnp.int32)
+    out_1, state_1 = pallas(q, k, v, g, beta, state, first)
+    rest = [np.arange(seq) + s for s in split]  # each row's continuation, shifted to the front
+    take = lambda x: jnp.stack([jnp.take(x[p], np.minimum(rest[p], seq - 1), axis=0) for p in range(3)])  # noqa: E731
+    out_2, state_2 = pallas(take(q), take(k), take(v), take(g), take(beta), state_1, lengths - first)
+    out_rec, state_rec = jax.jit(recurrence)(q, k, v, g, beta, state, lengths)
+
+    assert relative_error(state_2, state_full) <= 2e-5
+    assert relative_error(state_full, state_rec) <= 2e-5
+    for p in range(3):
+        joined = np.concatenate([out_1[p, : split[p]], out_2[p, : int(lengths[p]) - split[p]]])
+        assert relative_error(joined, out_full[p, : int(lengths[p])]) <= 2e-5
+        assert relative_error(out_full[p, : int(lengths[p])], out_rec[p, : int(lengths[p])]) <= 2e-5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("block_v", [None, 64])
+def test_lowers_to_triton_for_h200(dtype, block_v):
+    """Without a GPU: both kernels lower to Triton IR for an abstract H200 at 4B shapes (what interpret mode cannot
+    check: every primitive has a Triton lowering, every loaded or stored tile is a power of two)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    rows, seq, dtype = 2, 80, jnp.dtype(dtype)
+    shapes = [(rows, seq, 16, 128), (rows, seq, 16, 128), (rows, seq, 32, 128), (rows, seq, 32), (rows, seq, 32)]
+    dtypes = [dtype, dtype, dtype, jnp.float32, dtype]
+    args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(shapes, dtypes, strict=True)]
+    args += [jax.ShapeDtypeStruct((rows, 32, 128, 128), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32)]
+    h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
+    kernel = functools.partial(gdn_chunked_prefill_pallas, block_v=block_v)
+    with use_abstract_mesh(h200), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's deprecation notice
+        module = jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert module.count("__gpu$xla.gpu.triton") == 2
+
+
+def test_rejects_tile_unfriendly_head_sizes():
+    inputs = make_inputs(3, 1, 64, 1, 1, 24, 16, jnp.float32)
+    with pytest.raises(AssertionError, match="powers of two"):
+        gdn_chunked_prefill_pallas(*inputs, jnp.array([64], jnp.int32), interpret=True)
+
+
+# --- GPU, 4B shapes (nk 16, nv 32, dk = dv = 128) -----------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_matches_reference_at_4b_shapes(dtype):
+    seq = 1024
+    inputs = make_inputs(4, 4, seq, 16, 32, 128, 128, jnp.dtype(dtype))
+    lengths = jnp.array([seq, 700, 0, 1], jnp.int32)
+    out, state = pallas(*inputs, lengths, interpret=False)
+    with jax.default_matmul_precision("highest"):  # the reference in true fp32, not TF32
+        out_ref, state_ref = reference(*inputs, lengths)
+    assert_matches(out, state, out_ref, state_ref, lengths, dtype)
+    np.testing.assert_array_equal(state[2], inputs[-1][2])
+
+
+@pytest.mark.gpu
+def test_gpu_state_carries_across_calls_at_4b_shapes():
+    seq = 512
+    q, k, v, g, beta, state = make_inputs(5, 2, 2 * seq, 16, 32, 128, 128, jnp.bfloat16)
+    lengths = jnp.array([2 * seq, 2 * seq - 100], jnp.int32)
+    out_full, state_full = pallas(q, k, v, g, beta, state, lengths, interpret=False)
+    halves = [(x[:, :seq], x[:, seq:]) for x in (q, k, v, g, beta)]
+    out_1, state_1 = pallas(*(h[0] for h in halves), state, jnp.full((2,), seq, jnp.int32), interpret=False)
+    out_2, state_2 = pallas(*(h[1] for h in halves), state_1, lengths - seq, interpret=False)
+    _, state_tol = TOLERANCES["bfloat16"]
+    assert relative_error(state_2, state_full) <= state_tol
+    joined = np.concatenate([np.asarray(out_1, np.float32), np.asarray(out_2, np.float32)], axis=1)
+    valid = valid_mask(lengths, 2 * seq)[..., None, None]
+    assert relative_error(np.where(valid, joined, 0), np.where(valid, np.asarray(out_full, np.float32), 0)) <= 2.5e-2

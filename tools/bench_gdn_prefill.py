@@ -1,0 +1,174 @@
+"""Micro-benchmark of the GDN chunked prefill (GPU only): the Pallas kernel against the jitted XLA reference and, when
+flash-linear-attention is importable, its Triton `chunk_gated_delta_rule`, at 4B shapes (nk 16, nv 32, dk = dv = 128).
+
+    JAX_PLATFORMS=cuda python tools/bench_gdn_prefill.py --tokens 1024 2048 4096 8192 --rows 1 4 --block-v 32 64
+
+Per case it prints the time of one call (mean over --iters back-to-back calls, best of --repeats), the matmul FLOPs
+of the chunked algorithm and their rate against 790 TFLOP/s (bf16 dense), the minimal HBM traffic (inputs, outputs
+and states once) against 4.3 TB/s, the share of the roofline max(FLOPs / 790T, bytes / 4.3T) reached, and the ratio
+of the reference's and fla's times to the kernel's (> 1: the kernel is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import time
+
+PEAK_FLOPS = 790e12  # bf16 dense matmul measured on the H200 (DESIGN §9)
+PEAK_BYTES = 4.3e12  # device-to-device copy measured on the H200
+CHUNK = 64
+
+
+def chunked_flops(rows: int, tokens: int, nv: int, dk: int, dv: int) -> float:
+    """Matmul FLOPs of the chunked algorithm (2 per multiply-add; the 64x64 triangular solve left out):
+    per chunk and value head K K^T, W, U, Q K^T and the intra-chunk A V' (C^2 d each) plus W S, Q S and K^T V' (C dk dv)."""
+    chunks = rows * nv * -(-tokens // CHUNK)
+    per_chunk = CHUNK * CHUNK * (3 * dk + 2 * dv) + 3 * CHUNK * dk * dv
+    return 2.0 * chunks * per_chunk
+
+
+def minimal_bytes(rows: int, tokens: int, nk: int, nv: int, dk: int, dv: int, itemsize: int) -> float:
+    """q, k, v, beta read and o written once in the model dtype, g fp32, states read and written once in fp32."""
+    per_token = (2 * nk * dk + 2 * nv * dv + nv) * itemsize + 4 * nv
+    return rows * tokens * per_token + 2 * rows * nv * dk * dv * 4
+
+
+def time_calls(fn, args, iters: int, repeats: int, sync) -> float:
+    """Seconds per call: `iters` calls back to back (dispatch overlaps the device), best of `repeats`."""
+    sync(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        sync(out)
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
+def make_inputs(rows, tokens, nk, nv, dk, dv, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    q = jax.random.normal(keys[0], (rows, tokens, nk, dk)).astype(dtype)
+    k = jax.random.normal(keys[1], (rows, tokens, nk, dk)).astype(dtype)
+    v = jax.random.normal(keys[2], (rows, tokens, nv, dv)).astype(dtype)
+    g = -jnp.exp(jnp.linspace(-4.0, 1.0, nv)) * jax.nn.softplus(jax.random.normal(keys[3], (rows, tokens, nv)) - 1.0)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (rows, tokens, nv))).astype(dtype)
+    state = 0.3 * jax.random.normal(keys[5], (rows, nv, dk, dv))
+    return q, k, v, g, beta, state, jnp.full((rows,), tokens, jnp.int32)
+
+
+def fla_runner(inputs, ratio: int):
+    """A callable running fla's chunk_gated_delta_rule on the same data (q/k repeated to the value heads beforehand,
+    as HF does), or None when fla or torch is missing."""
+    try:
+        import torch
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    q, k, v, g, beta, state = (torch.from_dlpack(x) for x in inputs[:6])
+    q, k = (x.repeat_interleave(ratio, dim=2).contiguous() for x in (q, k))
+
+    def run():
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, scale=q.shape[-1] ** -0.5, initial_state=state, output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+
+    return run, torch.cuda.synchronize
+
+
+def bench_case(args, rows: int, tokens: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
+
+    dtype = jnp.dtype(args.dtype)
+    inputs = make_inputs(rows, tokens, args.nk, args.nv, args.dk, args.dv, dtype)
+    flops = chunked_flops(rows, tokens, args.nv, args.dk, args.dv)
+    nbytes = minimal_bytes(rows, tokens, args.nk, args.nv, args.dk, args.dv, dtype.itemsize)
+    roofline = max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES)
+    timing = functools.partial(time_calls, iters=args.iters, repeats=args.repeats, sync=jax.block_until_ready)
+    result = {"rows": rows, "tokens": tokens, "dtype": args.dtype, "gflop": flops / 1e9, "mbytes": nbytes / 1e6}
+    result["ref_ms"] = 1e3 * timing(jax.jit(gdn_chunked_prefill_ref), inputs)
+    out_ref, _ = jax.jit(gdn_chunked_prefill_ref)(*inputs)
+    for block_v, num_warps in itertools.product(args.block_v, args.num_warps):
+        kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, block_v=block_v, num_warps=num_warps or None))
+        seconds = timing(kernel, inputs)
+        out, _ = kernel(*inputs)
+        error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - out_ref.astype(jnp.float32))))
+        result[f"block_v={block_v} num_warps={num_warps or 'default'}"] = {
+            "ms": 1e3 * seconds,
+            "tflops": flops / seconds / 1e12,
+            "pct_peak_flops": 100 * flops / seconds / PEAK_FLOPS,
+            "pct_peak_bytes": 100 * nbytes / seconds / PEAK_BYTES,
+            "pct_roofline": 100 * roofline / seconds,
+            "ref_over_kernel": result["ref_ms"] / (1e3 * seconds),
+            "max_abs_err_vs_ref": error,
+        }
+    fla = fla_runner(inputs, args.nv // args.nk)
+    if fla is not None:
+        run, sync = fla
+        result["fla_ms"] = 1e3 * time_calls(lambda: run(), (), args.iters, args.repeats, lambda _: sync())
+        out_fla = run()[0].float().cpu().numpy()
+        result["fla_max_abs_err_vs_ref"] = float(np.abs(out_fla - np.asarray(out_ref, np.float32)).max())
+    return result
+
+
+def report(result: dict) -> str:
+    lines = [
+        f"rows {result['rows']} x {result['tokens']} tokens {result['dtype']}: {result['gflop']:.1f} GFLOP, "
+        f"{result['mbytes']:.0f} MB; XLA ref {result['ref_ms']:.3f} ms"
+        + (f"; fla {result['fla_ms']:.3f} ms" if "fla_ms" in result else "; fla not importable")
+    ]
+    for key, r in result.items():
+        if key.startswith("block_v"):
+            vs_fla = f", fla/kernel {result['fla_ms'] / r['ms']:.2f}x" if "fla_ms" in result else ""
+            lines.append(
+                f"  pallas {key}: {r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s ({r['pct_peak_flops']:.1f}% of "
+                f"790), {r['pct_peak_bytes']:.1f}% of 4.3 TB/s, {r['pct_roofline']:.1f}% of roofline, "
+                f"ref/kernel {r['ref_over_kernel']:.2f}x{vs_fla}, max |err| {r['max_abs_err_vs_ref']:.2e}"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192], help="tokens per row")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1], help="request rows per call")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--nk", type=int, default=16)
+    parser.add_argument("--nv", type=int, default=32)
+    parser.add_argument("--dk", type=int, default=128)
+    parser.add_argument("--dv", type=int, default=128)
+    parser.add_argument("--block-v", type=int, nargs="+", default=[32, 64], help="dv slice of the sequential pass")
+    parser.add_argument("--num-warps", type=int, nargs="+", default=[0], help="of the sequential pass; 0: default")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args()
+
+    import jax
+
+    if jax.devices()[0].platform != "gpu":
+        raise SystemExit(f"needs a GPU (JAX runs on {jax.devices()[0].platform}); set JAX_PLATFORMS=cuda")
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    results = []
+    for rows in args.rows:
+        for tokens in args.tokens:
+            results.append(bench_case(args, rows, tokens))
+            print(report(results[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
