@@ -1,19 +1,28 @@
 """Token-mixer kernels for Qwen3.5, each beside its pure-JAX reference of the same signature.
 
-`mixers(name)` returns the set the model calls. `ref` is the pure-JAX reference set (every platform).
-The Pallas GPU set (`pallas`) is the work of a later change; until it exists, asking for it fails loudly
-rather than silently falling back.
+`mixers(name)` returns the set the model calls:
+- `ref`: the pure-JAX references (every platform).
+- `pallas`: the Pallas (Triton lowering) GPU kernels; `mixers("pallas", interpret=True)` runs them in
+  Pallas interpret mode on any platform, which is how the CPU tests check that they slot in.
+`pallas` has passed its interpret-mode tests but has not yet run on a GPU, so the command-line flags
+refuse it (`check_selectable`) until the GPU tests and the golden gate hold with it.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
-from qwen35_jax.kernels.conv1d import causal_conv1d_prefill_ref, causal_conv1d_update_ref
-from qwen35_jax.kernels.decode_attention import paged_decode_attention_ref
-from qwen35_jax.kernels.gdn_decode import gdn_decode_ref
-from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_ref
-from qwen35_jax.kernels.prefill_attention import paged_prefill_attention_ref
+from qwen35_jax.kernels.conv1d import (
+    causal_conv1d_prefill_pallas,
+    causal_conv1d_prefill_ref,
+    causal_conv1d_update_pallas,
+    causal_conv1d_update_ref,
+)
+from qwen35_jax.kernels.decode_attention import paged_decode_attention_pallas, paged_decode_attention_ref
+from qwen35_jax.kernels.gdn_decode import gdn_decode_pallas, gdn_decode_ref
+from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
+from qwen35_jax.kernels.prefill_attention import paged_prefill_attention_pallas, paged_prefill_attention_ref
 
 KERNEL_SETS = ("ref", "pallas")
 
@@ -33,10 +42,28 @@ REF = Mixers(
     paged_decode_attention_ref, paged_prefill_attention_ref,
 )  # fmt: skip
 
+_PALLAS = (
+    gdn_chunked_prefill_pallas, gdn_decode_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pallas,
+    paged_decode_attention_pallas, paged_prefill_attention_pallas,
+)  # fmt: skip
+PALLAS = Mixers("pallas", *_PALLAS)
+# Built once: jit keys compiled programs on the Mixers value, so the partials must be the same objects.
+PALLAS_INTERPRET = Mixers("pallas-interpret", *(functools.partial(f, interpret=True) for f in _PALLAS))
 
-def mixers(name: str) -> Mixers:
+
+def mixers(name: str, interpret: bool = False) -> Mixers:
     if name == "ref":
         return REF
     if name == "pallas":
-        raise NotImplementedError("--kernels pallas: the Pallas GPU kernels are not implemented yet; use ref")
+        return PALLAS_INTERPRET if interpret else PALLAS
     raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")
+
+
+def check_selectable(name: str) -> None:
+    """The kernel sets a user may pick today (raises ValueError naming --kernels otherwise)."""
+    mixers(name)
+    if name == "pallas":
+        raise ValueError(
+            "--kernels pallas: the Pallas kernels pass their interpret-mode tests but have not been validated "
+            "on a GPU yet (GPU tests and the golden gate); use --kernels ref"
+        )

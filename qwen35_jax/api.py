@@ -36,7 +36,7 @@ def resolve_dtype(dtype: str):
 
 
 def default_kernels() -> str:
-    return "ref"  # the Pallas set becomes the GPU default once it exists (kernels/__init__.py)
+    return "ref"  # the Pallas set becomes the GPU default once it holds on the GPU (kernels/__init__.py)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "mixer_set", "all_prefill_logits"), donate_argnames=("cache",))

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from qwen35_jax.api import DTYPES
-from qwen35_jax.kernels import KERNEL_SETS
+from qwen35_jax.kernels import KERNEL_SETS, check_selectable
 
 
 class FlagError(ValueError):
@@ -79,8 +79,10 @@ def validate_generate(args) -> None:
         raise FlagError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise FlagError(f"--top-k must be >= 0, got {args.top_k}")
-    if args.kernels == "pallas":
-        raise FlagError("--kernels pallas: the Pallas kernels are not implemented yet; use --kernels ref")
+    try:
+        check_selectable(args.kernels)
+    except ValueError as err:
+        raise FlagError(str(err)) from err
 
 
 def run_generate(args) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from qwen35_jax.api import DTYPES
 from qwen35_jax.cli import FlagError
-from qwen35_jax.kernels import KERNEL_SETS
+from qwen35_jax.kernels import KERNEL_SETS, check_selectable
 
 
 def add_serving_parsers(subparsers) -> None:
@@ -101,8 +101,10 @@ def model_config(model: str):
 
 def validate_serve(args):
     """Every check that needs no weights; returns (EngineConfig, model config)."""
-    if args.kernels == "pallas":
-        raise FlagError("--kernels pallas: the Pallas kernels are not implemented yet; use --kernels ref")
+    try:
+        check_selectable(args.kernels)
+    except ValueError as err:
+        raise FlagError(str(err)) from err
     if not 0 <= args.port <= 65535:
         raise FlagError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:
