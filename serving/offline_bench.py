@@ -20,8 +20,7 @@ import time
 
 import numpy as np
 
-HBM_BYTES_PER_S = 4.3e12
-BF16_FLOPS_PER_S = 790e12
+from qwen35_jax.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S
 
 
 def decode_floor_bytes(cfg, batch: int, context: int, dtype_bytes: int = 2) -> int:

@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-HBM_BYTES_PER_S = 4.3e12
-BF16_FLOPS_PER_S = 790e12
+from qwen35_jax.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S
+
 MIN_POOL_BYTES = 256 * 2**20
 
 DECODE_SWEEP = [dict(block_k=bk, num_warps=w, num_stages=s) for bk, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]  # fmt: skip

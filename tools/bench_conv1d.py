@@ -17,7 +17,8 @@ import argparse
 import sys
 import time
 
-HBM_BYTES_PER_S = 4.3e12
+from qwen35_jax.roofline import HBM_BYTES_PER_S
+
 CHANNELS, TAPS = 8192, 4
 UPDATE_SWEEP = [(block_c, warps) for block_c in (256, 512, 1024, 2048) for warps in (1, 2, 4, 8)]
 PREFILL_SWEEP = [

@@ -19,9 +19,10 @@ import os
 import sys
 import time
 
+from qwen35_jax.roofline import HBM_BYTES_PER_S
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch when fla runs too
 
-HBM_BYTES_PER_S = 4.3e12
 SWEEP = [(block_dv, warps) for block_dv in (8, 16, 32, 64) for warps in (1, 2, 4, 8)]
 
 

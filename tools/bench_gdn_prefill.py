@@ -17,8 +17,9 @@ import itertools
 import json
 import time
 
-PEAK_FLOPS = 790e12  # bf16 dense matmul measured on the H200 (DESIGN §9)
-PEAK_BYTES = 4.3e12  # device-to-device copy measured on the H200
+from qwen35_jax.roofline import BF16_FLOPS_PER_S as PEAK_FLOPS
+from qwen35_jax.roofline import HBM_BYTES_PER_S as PEAK_BYTES
+
 CHUNK = 64
 
 
