@@ -328,12 +328,19 @@ class ModelDef:
     dtype: Any
     top: nnx.GraphDef
     group: nnx.GraphDef
+    # "scan": one lax.scan over the layer groups (compile time independent of depth; the default).
+    # "unrolled": a Python loop with static group indices, kept to A/B the scan's per-step cost on the GPU
+    # (docs/performance.md: a per-step copy of the size of the weights is suspected to come from the scan).
+    layer_loop: str = "scan"
+
+    def _key(self):
+        return self.cfg, str(self.dtype), self.layer_loop
 
     def __hash__(self):
-        return hash((self.cfg, str(self.dtype)))
+        return hash(self._key())
 
     def __eq__(self, other):
-        return isinstance(other, ModelDef) and (self.cfg, str(self.dtype)) == (other.cfg, str(other.dtype))
+        return isinstance(other, ModelDef) and self._key() == other._key()
 
 
 def abstract_model(cfg: Qwen35Config, dtype) -> tuple[ModelDef, dict[str, nnx.State]]:
@@ -405,14 +412,25 @@ def forward(
         h, kv, group_states = nnx.merge(model.group, group_params)(h, kv, group_index, group_states, ctx)
         return (h, kv), group_states
 
-    groups = jnp.arange(cfg.num_groups, dtype=jnp.int32)
-    (h, kv), states = lax.scan(body, (h, kv), (params["groups"], groups, states))
+    xs = (params["groups"], jnp.arange(cfg.num_groups, dtype=jnp.int32), states)
+    (h, kv), states = _layer_loop(model.layer_loop, body, (h, kv), xs, cfg.num_groups)
     cache = Cache(
         k_pages=kv.k_pages, v_pages=kv.v_pages,
         ssm=cache.ssm.at[:, slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:])),
         conv=cache.conv.at[:, slots].set(states.conv.reshape(cfg.num_linear_layers, *states.conv.shape[2:])),
     )  # fmt: skip
     return top.logits(h[_logit_rows(inputs, all_prefill_logits)]), cache
+
+
+def _layer_loop(kind: str, body, carry, xs, length: int):
+    if kind == "scan":
+        return lax.scan(body, carry, xs)
+    assert kind == "unrolled", kind
+    outs = []
+    for index in range(length):
+        carry, out = body(carry, jax.tree.map(lambda x, index=index: x[index], xs))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
 
 
 def _gather_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config) -> tuple[jax.Array, GdnState]:

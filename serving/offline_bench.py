@@ -140,6 +140,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.85)
     parser.add_argument("--compile-cache", default=None)
+    parser.add_argument("--layer-loop", default="scan", choices=("scan", "unrolled"), help="A/B of the layer loop")
     parser.add_argument("--ready-only", action="store_true", help="build and compile, report times, exit")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args(argv)
@@ -147,13 +148,14 @@ def main(argv=None) -> None:
 
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, kernels=args.kernels)
+    model.model_def = dataclasses.replace(model.model_def, layer_loop=args.layer_loop)
     load_s = time.perf_counter() - start
     batches = sorted(int(b) for b in args.batches.split(","))
     chunks = sorted(int(t) for t in args.prefill.split(","))
     rng = np.random.default_rng(0)
     # Decode: the page table spans only context + generated tokens, as a server sized for it would.
     engine, compile_decode = build(args, model, batches, [args.context], args.context + batches[-1] + args.steps + 32)
-    result = {"model": args.model, "kernels": args.kernels, "load_s": load_s,
+    result = {"model": args.model, "kernels": args.kernels, "layer_loop": args.layer_loop, "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)
     print("scratch bytes", {str(k): v for k, v in engine.runner.temp_bytes.items()}, flush=True)
