@@ -105,32 +105,30 @@ def _text_prefix(keys: list[str]) -> str:
 
 
 class SafetensorsReader:
-    """Key -> (file, shape) over all shards, with the text prefix stripped and skipped keys set aside."""
+    """Key -> (file, key in file, shape) over all shards, read from the headers once, with the text prefix
+    stripped and the keys skipped on purpose set aside."""
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.files = _shard_files(folder)
-        raw = {}
+        raw = {}  # key -> (file, shape)
         for file in self.files:
             with safe_open(file, framework="numpy") as f:
                 for key in f.keys():
-                    raw[key] = file
+                    raw[key] = (file, tuple(f.get_slice(key).get_shape()))
         prefix = _text_prefix(list(raw))
         self.skipped = sorted(k for k in raw if k.startswith(SKIPPED_PREFIXES))
         self.entries = {}
-        for key, file in raw.items():
-            if key in self.skipped:
-                continue
-            name = key[len(prefix) :] if key.startswith(prefix) else key
-            self.entries[name] = (file, key)
+        for key, (file, shape) in raw.items():
+            if not key.startswith(SKIPPED_PREFIXES):
+                name = key[len(prefix) :] if key.startswith(prefix) else key
+                self.entries[name] = (file, key, shape)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        file, key = self.entries[name]
-        with safe_open(file, framework="numpy") as f:
-            return tuple(f.get_slice(key).get_shape())
+        return self.entries[name][2]
 
     def read(self, name: str) -> np.ndarray:
-        file, key = self.entries[name]
+        file, key, _ = self.entries[name]
         with safe_open(file, framework="numpy") as f:
             return f.get_tensor(key)
 
