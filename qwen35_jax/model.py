@@ -238,7 +238,7 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
         return q, k, v, gate
 
-    def __call__(self, x, cache: Cache, layer, ctx: StepContext):
+    def __call__(self, x, cache: KVPages, layer, ctx: StepContext):
         q, k, v, gate = self._project(x, ctx)
         k_pages = cache.k_pages.at[layer, ctx.kv_page, ctx.kv_offset].set(k)
         v_pages = cache.v_pages.at[layer, ctx.kv_page, ctx.kv_offset].set(v)

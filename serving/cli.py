@@ -7,6 +7,7 @@ flag or a taken port fails in milliseconds with exit code 2 and a message naming
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -64,6 +65,7 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--compile-cache", default=str(DEFAULT_COMPILE_CACHE),
                    help="persistent XLA compilation cache folder ('' or 'off' to disable)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of random weights for presets")
+    p.add_argument("--trace-steps", action="store_true", help="log every step's plan (ITL_STEP lines)")
     p.set_defaults(handler=run_serve)
 
 
@@ -180,6 +182,9 @@ def _load(args, config):
         raise FlagError(f"--model {args.model}: {err}") from None
     try:
         engine = build_engine(model, config, progress=_compile_progress)
+        engine.trace_steps = args.trace_steps
+        if args.trace_steps:  # the trace is INFO on the engine's logger, whatever the global level
+            logging.getLogger("qwen35_jax.serving.engine").setLevel(logging.INFO)
     except ValueError as err:  # e.g. no room for the KV pool; the message names the flag to change
         raise FlagError(str(err)) from None
     return model, engine

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 from pathlib import Path
 
@@ -737,3 +738,17 @@ def test_host_error_in_the_loop_fails_live_requests_and_keeps_serving(tiny_model
         engines.release(engine)
     assert engine.scheduler.page_pool.num_free == engine.scheduler.page_pool.num_total
     assert engine.scheduler.slot_pool.num_free == engine.scheduler.slot_pool.num_total
+
+
+def test_trace_steps_logs_one_itl_step_line_per_step(engine, caplog):
+    collector = Collector()
+    engine.trace_steps = True
+    try:
+        with caplog.at_level(logging.INFO, logger="qwen35_jax.serving.engine"):
+            engine.submit(prompt(9, seed=70), greedy(3), collector)
+            engine.run_until_done()
+    finally:
+        engine.trace_steps = False
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ITL_STEP")]
+    # one prefill step, then decode steps for the 2 tokens after the first (sampled by the prefill step)
+    assert [line.split()[2] for line in lines] == ["plan=prefill", "plan=decode", "plan=decode"]
