@@ -23,10 +23,14 @@ import numpy as np
 from qwen35_jax.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S
 
 
-def decode_floor_bytes(cfg, batch: int, context: int, dtype_bytes: int = 2) -> int:
+def parameter_count(cfg) -> int:
     from qwen35_jax.weights import weight_specs
 
-    weights = sum(int(np.prod(s.shape)) * len(s.hf_keys) for s in weight_specs(cfg, np.float32)) * dtype_bytes
+    return sum(int(np.prod(s.shape)) * len(s.hf_keys) for s in weight_specs(cfg, np.float32))
+
+
+def decode_floor_bytes(cfg, batch: int, context: int, dtype_bytes: int = 2) -> int:
+    weights = parameter_count(cfg) * dtype_bytes
     kv = batch * context * cfg.num_full_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
     state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     gdn = batch * cfg.num_linear_layers * state * 2  # read and write back
@@ -34,10 +38,7 @@ def decode_floor_bytes(cfg, batch: int, context: int, dtype_bytes: int = 2) -> i
 
 
 def prefill_floor_flops(cfg, tokens: int) -> float:
-    from qwen35_jax.weights import weight_specs
-
-    params = sum(int(np.prod(s.shape)) * len(s.hf_keys) for s in weight_specs(cfg, np.float32))
-    dense = 2 * (params - cfg.vocab_size * cfg.hidden_size) * tokens
+    dense = 2 * (parameter_count(cfg) - cfg.vocab_size * cfg.hidden_size) * tokens
     attention = 2 * 2 * (tokens * tokens / 2) * cfg.num_attention_heads * cfg.head_dim * cfg.num_full_layers
     return dense + attention + 2 * cfg.vocab_size * cfg.hidden_size  # lm_head for the last token
 
