@@ -27,10 +27,11 @@ class SamplingRows:
 
     @staticmethod
     def from_rows(rows: list, pad_to: int) -> SamplingRows:
-        """rows: SamplingParams-like objects with an `output_index` attribute given per row; padded rows greedy."""
+        """rows: SamplingParams-like objects with an `output_index` attribute, or None for a padding row;
+        padded to pad_to rows. Padding rows are greedy."""
 
         def column(name, dtype, default):
-            values = [getattr(r, name) for r in rows] + [default] * (pad_to - len(rows))
+            values = [default if r is None else getattr(r, name) for r in rows] + [default] * (pad_to - len(rows))
             return np.asarray(values, dtype=dtype)
 
         return SamplingRows(

@@ -200,10 +200,10 @@ class Runner:
         key = self.buckets.key_for(plan)
         executable = self.executables.get(key) or self.compile(key)
         inputs = self.inputs_for(plan, key)
-        rows = SamplingRows.from_rows(
-            sampling[: len(plan.decode)], key[0]
-        ) if key[0] else None  # fmt: skip
-        rows = _concat_rows(rows, SamplingRows.from_rows(sampling[len(plan.decode) :], key[1]) if key[1] else None)
+        num_decode = len(plan.decode)
+        # Output rows are [B decode bucket | P prefill bucket]: pad each side to its bucket.
+        padded = [*sampling[:num_decode], *[None] * (key[0] - num_decode), *sampling[num_decode:]]
+        rows = SamplingRows.from_rows(padded, key[0] + key[1])
         self.cache, self.token_state, outputs = executable(self.params, self.cache, self.token_state, inputs, rows)
         return StepHandle(plan, key, outputs, time.perf_counter())
 
@@ -215,9 +215,3 @@ class Runner:
         """After a failed step the donated buffers may be gone: start from fresh caches."""
         self.cache = new_cache(self.model_def.cfg, self.spec, self.model_def.dtype)
         self.token_state = jnp.zeros(self.spec.num_slots, jnp.int32)
-
-
-def _concat_rows(a: SamplingRows | None, b: SamplingRows | None) -> SamplingRows:
-    if a is None or b is None:
-        return a if b is None else b
-    return jax.tree.map(lambda x, y: np.concatenate([x, y]), a, b)
