@@ -18,12 +18,12 @@ program can l2norm them itself; that is 2 dk loads against dk * BLOCK_DV state l
 tile [dk, BLOCK_DV] once, applies decay, delta update and readout in registers, and writes the tile back
 over the input (`input_output_aliases` state -> new state). Columns of S are independent in the update
 (u[e] needs only column e of S), so splitting dv costs nothing but the repeated l2norm, and gives
-B * nv * dv / BLOCK_DV programs: 128 at B = 1 on the 4B model (32 value heads), enough to cover the
-H200's 132 SMs, where one program per head would leave three quarters of them idle. The kernel is
+B * nv * dv / BLOCK_DV programs: 64 at B = 1 on the 4B model (32 value heads), 4096 at B = 64, where one
+program per head would leave the H200's 132 SMs mostly idle at small batches. The kernel is
 memory bound: 2 * 4 * dk * dv bytes of state per head against ~7 dk dv FLOPs.
 In place is safe: each tile is read and written by one program only, and the stored S[d, e] depends on
 u[e], a reduction over the loaded column e, so every load of a column completes before any store to it.
-BLOCK_DV and NUM_WARPS are unmeasured first choices; `tools/bench_gdn_decode.py --sweep` times the others.
+BLOCK_DV and NUM_WARPS come from `tools/bench_gdn_decode.py --sweep` on the H200 (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from qwen35_jax.kernels.gdn_prefill import prepare_qk
 
-BLOCK_DV = 32  # state tile [128, 32] fp32 = 32 registers a thread at 4 warps
-NUM_WARPS = 4
+BLOCK_DV = 64  # state tile [128, 64] fp32 = 128 registers a thread at 2 warps
+NUM_WARPS = 2  # best of the H200 sweep at batch 64: 83.8 us, 75% of 4.3 TB/s (docs/kernels.md)
 EPS = 1e-6
 
 

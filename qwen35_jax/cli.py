@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from qwen35_jax.api import DTYPES
+from qwen35_jax.api import DTYPES, default_kernels
 from qwen35_jax.kernels import KERNEL_SETS, check_selectable
 
 
@@ -23,7 +23,12 @@ class FlagError(ValueError):
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="preset (tiny, 0.8b, 4b, 9b, 27b) or model folder")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    parser.add_argument("--kernels", default="ref", choices=KERNEL_SETS, help="token-mixer kernel set")
+    parser.add_argument(
+        "--kernels",
+        default=None,
+        choices=KERNEL_SETS,
+        help="token-mixer kernel set (default: pallas on a GPU, ref elsewhere)",
+    )
 
 
 def _generate_parser(sub) -> None:
@@ -80,6 +85,7 @@ def validate_generate(args) -> None:
     if args.top_k < 0:
         raise FlagError(f"--top-k must be >= 0, got {args.top_k}")
     try:
+        args.kernels = args.kernels or default_kernels()
         check_selectable(args.kernels)
     except ValueError as err:
         raise FlagError(str(err)) from err

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from qwen35_jax.api import DTYPES
+from qwen35_jax.api import DTYPES, default_kernels
 from qwen35_jax.cli import FlagError
 from qwen35_jax.kernels import KERNEL_SETS, check_selectable
 
@@ -47,7 +47,12 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model as given)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--kernels", default="ref", choices=KERNEL_SETS, help="token-mixer kernel set")
+    p.add_argument(
+        "--kernels",
+        default=None,
+        choices=KERNEL_SETS,
+        help="token-mixer kernel set (default: pallas on a GPU, ref elsewhere)",
+    )
     p.add_argument("--max-batch", type=int, default=defaults.max_batch, help="most requests running at once")
     p.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
                    help="prompt tokens prefilled per step at most")  # fmt: skip
@@ -104,6 +109,7 @@ def model_config(model: str):
 def validate_serve(args):
     """Every check that needs no weights; returns (EngineConfig, model config)."""
     try:
+        args.kernels = args.kernels or default_kernels()
         check_selectable(args.kernels)
     except ValueError as err:
         raise FlagError(str(err)) from err
@@ -149,10 +155,10 @@ class _Elapsed:
         self.bar.close()
 
 
-def _compile_progress(keys):
+def _compile_progress(done, total: int):
     from tqdm import tqdm
 
-    return tqdm(keys, desc="compiling step programs", unit="program", file=sys.stderr)
+    return tqdm(done, total=total, desc="compiling step programs", unit="program", file=sys.stderr)
 
 
 def run_serve(args) -> None:

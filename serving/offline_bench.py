@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="4b")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kernels", default="ref")
+    parser.add_argument("--kernels", default=None, help="pallas | ref (default: pallas on a GPU, ref elsewhere)")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--prefill", default="1024,8192")
@@ -149,6 +149,7 @@ def main(argv=None) -> None:
 
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, kernels=args.kernels)
+    args.kernels = model.kernels_name
     model.model_def = dataclasses.replace(model.model_def, layer_loop=args.layer_loop)
     load_s = time.perf_counter() - start
     batches = sorted(int(b) for b in args.batches.split(","))

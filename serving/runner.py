@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import partial
 
 import jax
@@ -30,6 +32,8 @@ from qwen35_jax.serving.plan import StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE
 
 log = logging.getLogger(__name__)
+
+MAX_COMPILE_WORKERS = 8  # XLA compiles in parallel threads; more than 8 mostly adds host memory
 
 
 def power_of_two_buckets(largest: int, smallest: int = 1) -> tuple[int, ...]:
@@ -175,24 +179,43 @@ class Runner:
                             jax.ShapeDtypeStruct((r,), jnp.uint32), i32((r,)))  # fmt: skip
         return StepInputs(decode, prefill), rows
 
-    def compile(self, key) -> object:
-        start = time.perf_counter()
+    def _lower(self, key):
         inputs, rows = self._abstract_inputs(key)
-        lowered = self._jitted.lower(self.params, self.cache, self.token_state, inputs, rows)
-        self.executables[key] = lowered.compile()
-        self.compile_seconds[key] = time.perf_counter() - start
-        memory = self.executables[key].memory_analysis()
+        return self._jitted.lower(self.params, self.cache, self.token_state, inputs, rows)
+
+    def _compile_lowered(self, key, lowered, lower_seconds: float) -> object:
+        start = time.perf_counter()
+        executable = lowered.compile()
+        self.executables[key] = executable
+        self.compile_seconds[key] = lower_seconds + time.perf_counter() - start
+        memory = executable.memory_analysis()
         self.temp_bytes[key] = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
         log.info("compiled step B=%d P=%d T=%d in %.2fs (%.1f MiB scratch)", *key, self.compile_seconds[key],
                  self.temp_bytes[key] / 2**20)  # fmt: skip
-        return self.executables[key]
+        return executable
 
-    def compile_all(self, progress=None) -> float:
-        keys = self.buckets.keys()
-        for key in keys if progress is None else progress(keys):
-            if key not in self.executables:
-                self.compile(key)
-        return sum(self.compile_seconds.values())
+    def compile(self, key) -> object:
+        start = time.perf_counter()
+        lowered = self._lower(key)
+        return self._compile_lowered(key, lowered, time.perf_counter() - start)
+
+    def compile_all(self, progress=None, workers: int | None = None) -> float:
+        """Compiles every bucket not compiled yet and returns the wall seconds it took. Tracing and lowering
+        run here, one program after another (they hold the GIL); XLA's compiles, which release it, run in
+        `workers` threads at once, so start-up scales with the host's cores instead of the bucket count."""
+        start = time.perf_counter()
+        keys = [key for key in self.buckets.keys() if key not in self.executables]
+        workers = workers or min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="compile") as pool:
+            futures = []
+            for key in keys:
+                lower_start = time.perf_counter()
+                lowered = self._lower(key)
+                futures.append(pool.submit(self._compile_lowered, key, lowered, time.perf_counter() - lower_start))
+            done = as_completed(futures)
+            for future in done if progress is None else progress(done, len(futures)):
+                future.result()
+        return time.perf_counter() - start
 
     # ---- launch ------------------------------------------------------------------------------------------
     def launch(self, plan: StepPlan, sampling: list) -> StepHandle:

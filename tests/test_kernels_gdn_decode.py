@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen35_jax.kernels.gdn_decode import gdn_decode_pallas, gdn_decode_ref
+from qwen35_jax.kernels.gdn_decode import BLOCK_DV, gdn_decode_pallas, gdn_decode_ref
 
 STATE_TOL = dict(atol=1e-5, rtol=1e-5)
 OUT_TOL = {jnp.float32: dict(atol=1e-6, rtol=1e-5), jnp.bfloat16: dict(atol=1e-5, rtol=2**-7)}
@@ -109,7 +109,7 @@ def test_state_aliased_in_place():
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_lowers_to_triton_for_h200():
     """The Triton lowering runs on the CPU for an abstract H200: it rejects what Triton cannot take (tensor sizes
-    that are not powers of two, unsupported primitives). Checks the aliasing and the (B, nv, dv/32) grid too."""
+    that are not powers of two, unsupported primitives). Checks the aliasing and the (B, nv, dv/BLOCK_DV) grid too."""
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
     device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
@@ -117,7 +117,7 @@ def test_lowers_to_triton_for_h200():
         text = jax.jit(gdn_decode_pallas).trace(*h200_inputs()).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert "output_operand_alias<output_tuple_indices = [1], operand_index = 5" in text
-    assert re.findall(r"grid_[xyz] = (\d+)", text) == ["4", "32", "4"]
+    assert re.findall(r"grid_[xyz] = (\d+)", text) == ["4", "32", str(128 // BLOCK_DV)]
 
 
 @pytest.mark.gpu

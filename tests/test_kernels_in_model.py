@@ -10,6 +10,7 @@ moves logits by more than 1e-2.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from qwen35_jax.kernels import mixers
 
@@ -25,3 +26,16 @@ def test_pallas_set_matches_ref_in_the_model(tiny_model):
         tiny_model.kernels = mixers("ref")
     assert ours.shape == ref.shape == (len(PROMPT), tiny_model.config.vocab_size)
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_pallas_is_the_gpu_default_and_refused_elsewhere():
+    from qwen35_jax.api import default_kernels
+    from qwen35_jax.kernels import check_selectable
+
+    assert default_kernels("gpu") == "pallas" and default_kernels("cpu") == "ref"
+    check_selectable("pallas", "gpu")
+    check_selectable("ref", "cpu")
+    with pytest.raises(ValueError, match="--kernels pallas needs a GPU"):
+        check_selectable("pallas", "cpu")
+    with pytest.raises(ValueError, match="unknown kernel set"):
+        check_selectable("triton", "gpu")

@@ -10,8 +10,9 @@ Every row: its case; the kernel's time per call, its useful bytes and FLOPs, the
 share of it (% of roofline = roofline time / measured time); the reference's time and the speed ratio
 (reference time / kernel time). Decode rows hold `context` cached tokens each; prefill rows a chunk of
 `chunk` tokens after `prefix` cached ones. Each timed call runs the op `repeats` times back to back inside
-one jitted program, on a different layer of a pool of at least 256 MiB so that the 50 MB L2 holds no
-previous call's K/V; times include the launch gaps between those kernels. The page-table width is
+one jitted program, each call's output feeding the next call's query, on a different layer of a pool of at
+least 256 MiB so that the 50 MB L2 holds no previous call's K/V; times include the launch gaps between those
+kernels. The page-table width is
 `--max-model-len` / page_size, as the engine sizes it: the reference gathers the whole width, the kernel
 only the pages a row uses. `--sweep` also times the tuning grid and prints the best configuration per case.
 """
@@ -63,7 +64,11 @@ def seconds_per_call(op, args, layers: int, repeats: int, trials: int) -> float:
     import jax.numpy as jnp
 
     def program(q, k, v, *rest):
-        return [op(q, k, v, jnp.int32(i % layers), *rest) for i in range(repeats)]
+        # Each call's output is the next call's query: without that dependency XLA merges calls with equal
+        # operands (same layer) into one, and a pool of fewer layers than repeats would time a fraction.
+        for i in range(repeats):
+            q = op(q, k, v, jnp.int32(i % layers), *rest).astype(q.dtype).reshape(q.shape)
+        return q
 
     compiled = jax.jit(program)
     for _ in range(2):  # the first call in a process can change JAX's tracing context and retrace once

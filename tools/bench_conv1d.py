@@ -14,6 +14,7 @@ computed for every token, as the reference does, so the bytes count all of them.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -49,8 +50,15 @@ def device_time(step, args: tuple, iters: int, repeats: int) -> float:
     return best / iters
 
 
+RESULTS: list[dict] = []  # every printed row, for --json
+CASE: dict = {}  # the case the rows being printed belong to
+
+
 def report(name: str, seconds: float, bytes_moved: int, flops: int, ref_seconds: float) -> None:
     roofline = bytes_moved / HBM_BYTES_PER_S
+    RESULTS.append(dict(kernel="conv1d", **CASE, impl=name, us=seconds * 1e6, bytes=bytes_moved, flops=flops,
+                        roofline_us=roofline * 1e6, roofline_pct=100 * roofline / seconds,
+                        ref_over_impl=ref_seconds / seconds))  # fmt: skip
     print(
         f"  {name:<34} {seconds * 1e6:9.2f} us  {bytes_moved / 1e6:8.2f} MB  {flops / 1e9:7.3f} GFLOP"
         f"  {100 * roofline / seconds:5.1f}% of 4.3 TB/s  x{ref_seconds / seconds:5.2f} vs XLA ref"
@@ -80,6 +88,8 @@ def bench_update(batch: int, sweep: bool, iters: int, repeats: int) -> None:
     args = inputs((batch,))
     bytes_moved, flops = traffic(args[0], args[2], args[1])
     ref_seconds = device_time(conv1d.causal_conv1d_update_ref, args, iters, repeats)
+    CASE.clear()
+    CASE.update(mode="update", batch=batch)
     print(f"update, batch {batch}")
     report("XLA reference", ref_seconds, bytes_moved, flops, ref_seconds)
     for block_c, warps in UPDATE_SWEEP if sweep else [(conv1d.BLOCK_C_UPDATE, conv1d.NUM_WARPS)]:
@@ -101,6 +111,8 @@ def bench_prefill(rows: int, seq: int, sweep: bool, iters: int, repeats: int) ->
     args = (x, weight, state, lengths)
     bytes_moved, flops = traffic(x, state, weight)
     ref_seconds = device_time(conv1d.causal_conv1d_prefill_ref, args, iters, repeats)
+    CASE.clear()
+    CASE.update(mode="prefill", rows=rows, tokens=seq)
     print(f"prefill, {rows} rows x {seq} tokens")
     report("XLA reference", ref_seconds, bytes_moved, flops, ref_seconds)
     default = [(conv1d.BLOCK_T, conv1d.BLOCK_C_PREFILL, conv1d.NUM_WARPS)]
@@ -119,6 +131,7 @@ def main() -> None:
     parser.add_argument("--prefill", nargs="*", default=["1x2048", "4x512", "16x128"], help="ROWSxTOKENS")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write every result row to this file")
     parser.add_argument("--sweep", action="store_true", help="time every block size / warp count in the sweeps")
     args = parser.parse_args()
 
@@ -132,6 +145,9 @@ def main() -> None:
     for shape in args.prefill:
         rows, seq = (int(n) for n in shape.split("x"))
         bench_prefill(rows, seq, args.sweep, args.iters, args.repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ reference's loop, which flatters the reference slightly.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -112,8 +113,16 @@ def fla_time(inputs, iters: int, repeats: int) -> float | None:
     return best / iters
 
 
-def report(name: str, seconds: float, bytes_moved: int, flops: int, ref_seconds: float, fla_seconds: float | None):
+RESULTS: list[dict] = []  # every printed row, for --json
+
+
+def report(name: str, seconds: float, bytes_moved: int, flops: int, ref_seconds: float, fla_seconds: float | None,
+           batch: int):  # fmt: skip
     roofline = bytes_moved / HBM_BYTES_PER_S
+    RESULTS.append(dict(kernel="gdn_decode", batch=batch, impl=name, us=seconds * 1e6, bytes=bytes_moved,
+                        flops=flops, roofline_us=roofline * 1e6, roofline_pct=100 * roofline / seconds,
+                        ref_over_impl=ref_seconds / seconds,
+                        fla_over_impl=None if fla_seconds is None else fla_seconds / seconds))  # fmt: skip
     line = (
         f"  {name:<28} {seconds * 1e6:9.2f} us  {bytes_moved / 1e6:9.2f} MB  {flops / 1e9:7.3f} GFLOP"
         f"  {100 * roofline / seconds:5.1f}% of 4.3 TB/s  x{ref_seconds / seconds:5.2f} vs XLA ref"
@@ -128,6 +137,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write every result row to this file")
     parser.add_argument("--sweep", action="store_true", help="time every (block_dv, num_warps) in SWEEP")
     args = parser.parse_args()
 
@@ -149,16 +159,19 @@ def main() -> None:
         _, ref_state = jax.jit(gdn_decode.gdn_decode_ref)(*inputs)
         error = float(np.max(np.abs(np.asarray(state) - np.asarray(ref_state))))
         print(f"batch {batch}: max |state - ref| {error:.2e}")
-        report("XLA reference", ref_seconds, bytes_moved, flops, ref_seconds, fla_seconds)
+        report("XLA reference", ref_seconds, bytes_moved, flops, ref_seconds, fla_seconds, batch)
         if fla_seconds is not None:
-            report("fla fused_recurrent", fla_seconds, bytes_moved, flops, ref_seconds, fla_seconds)
+            report("fla fused_recurrent", fla_seconds, bytes_moved, flops, ref_seconds, fla_seconds, batch)
         for block_dv, warps in configs:
 
             def step(*xs, block_dv=block_dv, warps=warps):
                 return gdn_decode.gdn_decode_blocked(*xs, block_dv=block_dv, num_warps=warps)
 
             seconds = device_time(step, inputs, args.iters, args.repeats)
-            report(f"pallas dv/{block_dv} warps {warps}", seconds, bytes_moved, flops, ref_seconds, fla_seconds)
+            report(f"pallas dv/{block_dv} warps {warps}", seconds, bytes_moved, flops, ref_seconds, fla_seconds, batch)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
 
 
 if __name__ == "__main__":
