@@ -329,8 +329,10 @@ class ModelDef:
     top: nnx.GraphDef
     group: nnx.GraphDef
     # "scan": one lax.scan over the layer groups (compile time independent of depth; the default).
-    # "unrolled": a Python loop with static group indices, kept to A/B the scan's per-step cost on the GPU
-    # (docs/performance.md: a per-step copy of the size of the weights is suspected to come from the scan).
+    # "unrolled": a Python loop with static group indices into the stacked weights.
+    # "unstacked": a Python loop over per-group weight arrays (`unstack_groups`), so no layer reads its
+    # weights through a slice. Both are kept to A/B the scan's per-step cost on the GPU: a copy of one
+    # group's weights per scan iteration is suspected (docs/performance.md).
     layer_loop: str = "scan"
 
     def _key(self):
@@ -413,7 +415,10 @@ def forward(
         return (h, kv), group_states
 
     xs = (params["groups"], jnp.arange(cfg.num_groups, dtype=jnp.int32), states)
-    (h, kv), states = _layer_loop(model.layer_loop, body, (h, kv), xs, cfg.num_groups)
+    if model.layer_loop == "unstacked":
+        (h, kv), states = _unstacked_loop(body, (h, kv), xs)
+    else:
+        (h, kv), states = _layer_loop(model.layer_loop, body, (h, kv), xs, cfg.num_groups)
     cache = Cache(
         k_pages=kv.k_pages, v_pages=kv.v_pages,
         ssm=cache.ssm.at[:, slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:])),
@@ -429,6 +434,25 @@ def _layer_loop(kind: str, body, carry, xs, length: int):
     outs = []
     for index in range(length):
         carry, out = body(carry, jax.tree.map(lambda x, index=index: x[index], xs))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
+
+
+def unstack_groups(params) -> dict:
+    """params with "groups" as a tuple of per-group trees (one array per tensor and group), for the
+    "unstacked" layer loop. Materialises new arrays: the stacked ones can be dropped afterwards."""
+    groups = params["groups"]
+    count = jax.tree.leaves(groups)[0].shape[0]
+    return {**params, "groups": tuple(jax.tree.map(lambda x, i=i: x[i], groups) for i in range(count))}
+
+
+def _unstacked_loop(body, carry, xs):
+    group_params, indices, states = xs
+    if not isinstance(group_params, tuple):
+        raise TypeError('layer_loop "unstacked" needs params from unstack_groups(params)')
+    outs = []
+    for index, params in enumerate(group_params):
+        carry, out = body(carry, (params, indices[index], jax.tree.map(lambda x, i=index: x[i], states)))
         outs.append(out)
     return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
 

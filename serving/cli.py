@@ -70,6 +70,11 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--compile-cache", default=str(DEFAULT_COMPILE_CACHE),
                    help="persistent XLA compilation cache folder ('' or 'off' to disable)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of random weights for presets")
+    p.add_argument(
+        "--layer-loop",
+        default=defaults.layer_loop,
+        help="scan (compile time independent of depth) | unstacked (faster steps, longer compiles)",
+    )
     p.add_argument("--trace-steps", action="store_true", help="log every step's plan (ITL_STEP lines)")
     p.set_defaults(handler=run_serve)
 
@@ -87,6 +92,7 @@ def engine_config(args, max_position_embeddings: int):
             max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, max_model_len=max_model_len,
             gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
             scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap, compile_cache=cache,
+            layer_loop=args.layer_loop,
         )  # fmt: skip
     except ValueError as err:
         raise FlagError(str(err)) from None

@@ -114,7 +114,7 @@ def build(args, model, batches: list[int], chunks: list[int], max_model_len: int
 
     config = EngineConfig(
         max_batch=batches[-1], max_prefill_tokens=chunks[-1], max_model_len=max_model_len,
-        gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache,
+        gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache, layer_loop=args.layer_loop,
     )  # fmt: skip
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=tuple(batches), prefill_rows=(1,), chunk=tuple(chunks))
@@ -141,7 +141,12 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.85)
     parser.add_argument("--compile-cache", default=None)
-    parser.add_argument("--layer-loop", default="scan", choices=("scan", "unrolled"), help="A/B of the layer loop")
+    parser.add_argument(
+        "--layer-loop",
+        default="scan",
+        choices=("scan", "unrolled", "unstacked"),
+        help="A/B of the layer loop (unstacked: per-group weight arrays, see model.unstack_groups)",
+    )
     parser.add_argument("--ready-only", action="store_true", help="build and compile, report times, exit")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args(argv)
@@ -150,7 +155,6 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, kernels=args.kernels)
     args.kernels = model.kernels_name
-    model.model_def = dataclasses.replace(model.model_def, layer_loop=args.layer_loop)
     load_s = time.perf_counter() - start
     batches = sorted(int(b) for b in args.batches.split(","))
     chunks = sorted(int(t) for t in args.prefill.split(","))

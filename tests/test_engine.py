@@ -752,3 +752,19 @@ def test_trace_steps_logs_one_itl_step_line_per_step(engine, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ITL_STEP")]
     # one prefill step, then decode steps for the 2 tokens after the first (sampled by the prefill step)
     assert [line.split()[2] for line in lines] == ["plan=prefill", "plan=decode", "plan=decode"]
+
+
+def test_unstacked_layer_loop_serves_the_same_tokens(engines, engine):
+    """--layer-loop unstacked (per-group weight arrays, a Python loop) gives the scan engine's greedy tokens.
+    A model of its own: building the engine unstacks the model's weights in place."""
+    from qwen35_jax.api import load_model
+
+    model = load_model("tiny", dtype="float32")
+    unstacked = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, layer_loop="unstacked")
+    try:
+        assert isinstance(model.params["groups"], tuple) and model.model_def.layer_loop == "unstacked"
+        requests = [(prompt(n, seed=300 + n), greedy(m)) for n, m in [(5, 6), (40, 5), (70, 4)]]
+        for got, want in zip(generate(unstacked, requests), generate(engine, requests), strict=True):
+            assert_same_greedy(got, want)
+    finally:
+        engines.release(unstacked)

@@ -1,11 +1,14 @@
-"""The layer loop's two forms compute the same model: `scan` (the default) and `unrolled` (kept for GPU
-A/B measurements of the scan's cost, docs/performance.md)."""
+"""The layer loop's three forms compute the same model: `scan` (the default), `unrolled` and `unstacked`
+(kept for GPU A/B measurements of the scan's cost, docs/performance.md)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+import pytest
+
+from qwen35_jax.model import unstack_groups
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 512, 90)]
 
@@ -20,3 +23,26 @@ def test_unrolled_layer_loop_equals_scan(tiny_model):
         tiny_model.model_def = original
     # Same operations in the same order per layer; only XLA's fusion choices may differ (fp32 rounding).
     np.testing.assert_allclose(unrolled, scan, atol=1e-6, rtol=0)
+
+
+def test_unstacked_layer_loop_equals_scan(tiny_model):
+    scan = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    original_def, original_params = tiny_model.model_def, tiny_model.params
+    tiny_model.model_def = dataclasses.replace(original_def, layer_loop="unstacked")
+    tiny_model.params = unstack_groups(original_params)
+    try:
+        assert isinstance(tiny_model.params["groups"], tuple) and len(tiny_model.params["groups"]) == 2
+        unstacked = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    finally:
+        tiny_model.model_def, tiny_model.params = original_def, original_params
+    np.testing.assert_allclose(unstacked, scan, atol=1e-6, rtol=0)
+
+
+def test_unstacked_loop_refuses_stacked_params(tiny_model):
+    original = tiny_model.model_def
+    tiny_model.model_def = dataclasses.replace(original, layer_loop="unstacked")
+    try:
+        with pytest.raises(TypeError, match="unstack_groups"):
+            tiny_model.logits(PROMPT[:8])
+    finally:
+        tiny_model.model_def = original

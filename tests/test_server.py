@@ -304,6 +304,7 @@ def no_weight_loads(monkeypatch):
         (["--decode-overlap", "stream"], "--decode-overlap"),
         (["--scheduler-policy", "fast"], "--scheduler-policy"),
         (["--kernels", "pallas"], "--kernels"),
+        (["--layer-loop", "while"], "--layer-loop"),
         (["--num-pages", "1"], "--num-pages"),
         (["--max-model-len", "100000"], "--max-model-len"),
         (["--port", "70000"], "--port"),
