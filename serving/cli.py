@@ -192,6 +192,9 @@ def _load(args, config):
             model = load_model(args.model, dtype=args.dtype, kernels=args.kernels, seed=args.seed)
     except (OSError, ValueError) as err:
         raise FlagError(f"--model {args.model}: {err}") from None
+    # The pool sizes and the compile total are always reported at start (INFO of the factory's logger);
+    # the per-program compile lines stay behind -v.
+    logging.getLogger("qwen35_jax.serving.factory").setLevel(logging.INFO)
     try:
         engine = build_engine(model, config, progress=_compile_progress)
         engine.trace_steps = args.trace_steps
