@@ -97,14 +97,24 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state, lengths):
 # ---------------------------------------------------------------------------------------------------------------------
 # Pallas GPU kernel (Triton lowering; `interpret=True` runs it on the CPU).
 #
-# Two pallas_calls, following the WY decomposition of the chunked form above:
+# Following the WY decomposition of the chunked form above, in two variants (`output_pass`). Both start with
 #   1. `_wy_prep_kernel`, grid (P, nv, chunks), fully parallel: per chunk and value head it l2-normalises k, masks the
 #      padding tokens, takes the cumulative gates gamma and solves (I + A) [W | U] = [beta exp(gamma) K | beta V] by
 #      blocked forward substitution over four 16-row blocks (each diagonal block inverted row by row, the blocks below
 #      it updated with small matmuls), so neither A nor its inverse ever leaves registers.
+# "fused" (two pallas_calls, the default):
 #   2. `_state_pass_kernel`, grid (P, nv, dv / block_v): walks the row's valid chunks in order, carrying its fp32 state
 #      slice S [dk, block_v] in registers; per chunk it forms V' = U - W S, the output (Q exp(gamma)) S + causal(Q K^T
 #      Gamma) V' and the next state. Chunks past a row's length are not computed (their output is written as zeros).
+# "parallel" (three pallas_calls, as flash-linear-attention does): the sequential pass keeps only what must be
+# sequential, and the output, Q K^T included (recomputed by every dv slice in "fused"), moves to a parallel pass:
+#   2. `_chunk_states_kernel`, grid (P, nv, dv / block_v): the same walk, but per chunk it only stores the chunk's start
+#      state S_c (fp32, [P, nv, n_chunks, dk, dv]: n_chunks * dk * dv * 4 bytes per row and value head, 64 KiB a chunk
+#      at dk = dv = 128) and V'_c (u's dtype and layout), then steps the state. Chunks past a row's length are skipped
+#      and their S_c and V'_c are left unwritten.
+#   3. `_chunk_output_kernel`, grid (P, nv, n_chunks, dv / 64): O_c = (Q_c exp(gamma)) S_c + causal(Q_c K_c^T Gamma)
+#      V'_c for one chunk and dv slice; chunks past a row's length are written as zeros without reading S_c or V'_c.
+#   Both variants round the same operands the same way (V' and S enter their matmuls in the operand dtype either way).
 # No jnp glue runs over the activations: l2norm, the query scale and the key-head -> value-head repeat (a BlockSpec
 # index map) happen inside the kernels; the only glue is a pad of the token axis up to a multiple of 64 when T is not
 # one (the engine's chunk buckets are powers of two >= 16, so only T = 16 or 32 pads, a few KiB).
@@ -199,6 +209,35 @@ def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, ga
             gamma_ref[rows] = gammas[a]
 
 
+def _normalised_qk(q_ref, k_ref, rows, valid, scale: float, dtype):
+    """The chunk's q/k rows [C, dk], l2-normalised, q scaled, k zeroed at padding tokens, in the matmul operand dtype
+    (they are matmul operands only: bf16 halves their registers)."""
+    q = (l2norm(q_ref[rows, :].astype(jnp.float32)) * scale).astype(dtype)
+    return q, _normalised_k(k_ref, rows, valid, dtype)
+
+
+def _normalised_k(k_ref, rows, valid, dtype):
+    """The chunk's k rows [C, dk], l2-normalised and zeroed at padding tokens, in the matmul operand dtype."""
+    return jnp.where(valid[:, None], l2norm(k_ref[rows, :].astype(jnp.float32)), 0.0).astype(dtype)
+
+
+def _causal_mask():
+    return _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
+
+
+def _chunk_output(q, k, gamma, state, v_new, causal, exact: bool):
+    """O = (Q exp(gamma)) S + tril(Q K^T * Gamma) V' [C, bv] fp32, from the chunk's start state S [dk, bv]."""
+    attn = _dot(q, k, exact, ((1,), (1,))) * jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0))
+    attn = jnp.where(causal, attn, 0.0)
+    return _dot(q.astype(jnp.float32) * jnp.exp(gamma)[:, None], state, exact) + _dot(attn, v_new, exact)
+
+
+def _next_state(state, k, gamma, gamma_last, v_new, exact: bool):
+    """S <- exp(gamma_last) S + (K exp(gamma_last - gamma))^T V'."""
+    k_decayed = k.astype(jnp.float32) * jnp.exp(gamma_last - gamma)[:, None]
+    return state * jnp.exp(gamma_last) + _dot(k_decayed, v_new, exact, ((0,), (0,)))
+
+
 def _state_pass_kernel(
     lengths_ref, q_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, o_ref, state_out_ref, *, exact: bool, scale: float
 ):
@@ -206,24 +245,19 @@ def _state_pass_kernel(
     length = lengths_ref[...]
     num_chunks = o_ref.shape[0] // CHUNK
     num_valid = (length + CHUNK - 1) // CHUNK
-    causal = _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
+    causal = _causal_mask()
 
     def chunk_step(c, state):  # state [dk, bv] fp32
         start = pl.multiple_of(c * CHUNK, CHUNK)
         rows = pl.ds(start, CHUNK)
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
-        # Normalised q/k are matmul operands only: keep them in the operand dtype (halves their registers in bf16).
-        q = (l2norm(q_ref[rows, :].astype(jnp.float32)) * scale).astype(w_ref.dtype)
-        k = jnp.where(valid[:, None], l2norm(k_ref[rows, :].astype(jnp.float32)), 0.0).astype(w_ref.dtype)
+        q, k = _normalised_qk(q_ref, k_ref, rows, valid, scale, w_ref.dtype)
         gamma = gamma_ref[rows]
         gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma
         v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], state, exact)  # [C, bv]
-        attn = _dot(q, k, exact, ((1,), (1,))) * jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0))
-        attn = jnp.where(causal, attn, 0.0)
-        out = _dot(q.astype(jnp.float32) * jnp.exp(gamma)[:, None], state, exact) + _dot(attn, v_new, exact)
+        out = _chunk_output(q, k, gamma, state, v_new, causal, exact)
         o_ref[rows, :] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
-        k_decayed = k.astype(jnp.float32) * jnp.exp(gamma_last - gamma)[:, None]
-        return state * jnp.exp(gamma_last) + _dot(k_decayed, v_new, exact, ((0,), (0,)))
+        return _next_state(state, k, gamma, gamma_last, v_new, exact)
 
     def zero_chunk(c, carry):  # outputs of padding-only chunks are defined as zeros
         o_ref[pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK), :] = jnp.zeros((CHUNK, o_ref.shape[1]), o_ref.dtype)
@@ -231,6 +265,51 @@ def _state_pass_kernel(
 
     state_out_ref[...] = lax.fori_loop(0, num_valid, chunk_step, state_ref[...])
     lax.fori_loop(num_valid, num_chunks, zero_chunk, 0)
+
+
+def _chunk_states_kernel(
+    lengths_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, states_ref, v_new_ref, state_out_ref, *, exact: bool
+):
+    """One (row, value head, dv slice), state only: k/w [T, dk], u [T, bv], gamma [T], state [dk, bv] -> each valid
+    chunk's start state states [n, dk, bv] and V' [T, bv], and the final state. Chunks past the length are not
+    written (the output pass reads neither their states nor their V')."""
+    length = lengths_ref[...]
+    num_valid = (length + CHUNK - 1) // CHUNK
+
+    def chunk_step(c, state):  # state [dk, bv] fp32
+        start = pl.multiple_of(c * CHUNK, CHUNK)
+        rows = pl.ds(start, CHUNK)
+        valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
+        states_ref[c] = state  # S_c, the chunk's start state
+        k = _normalised_k(k_ref, rows, valid, w_ref.dtype)
+        gamma = gamma_ref[rows]
+        gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma
+        v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], state, exact)  # [C, bv]
+        # Stored in the operand dtype: the output pass uses V' only as a matmul operand, as the fused kernel does.
+        v_new_ref[rows, :] = v_new.astype(v_new_ref.dtype)
+        return _next_state(state, k, gamma, gamma_last, v_new, exact)
+
+    state_out_ref[...] = lax.fori_loop(0, num_valid, chunk_step, state_ref[...])
+
+
+def _chunk_output_kernel(
+    lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_ref, o_ref, *, exact: bool, scale: float
+):
+    """One (row, value head, chunk, dv slice): q/k [C, dk], gamma [C], start state [dk, bv], V' [C, bv] -> o [C, bv].
+    Chunks past the length are written as zeros without reading S_c or V'_c, which were never stored for them."""
+    start = pl.program_id(2) * CHUNK
+    length = lengths_ref[...]
+
+    @pl.when(start < length)
+    def _():
+        valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
+        q, k = _normalised_qk(q_ref, k_ref, slice(None), valid, scale, v_new_ref.dtype)
+        out = _chunk_output(q, k, gamma_ref[...], state_ref[...], v_new_ref[...], _causal_mask(), exact)
+        o_ref[...] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
+
+    @pl.when(start >= length)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
 def _wy_prep(k, v, g, beta, lengths, exact: bool, interpret: bool):
@@ -297,6 +376,74 @@ def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int,
     )(lengths, q, k, w, u, gamma, state)
 
 
+def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, int], exact: bool, interpret: bool):
+    """The sequential pass, state only; returns each chunk's start state [P, nv, n, dk, dv] (fp32), V' [P, nv, T, dv]
+    (in u's dtype) and the new state [P, nv, dk, dv]."""
+    num_rows, num_heads, seq, dv = u.shape
+    dk = k.shape[-1]
+    ratio = num_heads // k.shape[2]
+    block_v, num_warps = tiling
+    state_spec = pl.BlockSpec((None, None, dk, block_v), lambda p, h, j: (p, h, 0, j))
+    return pl.pallas_call(
+        functools.partial(_chunk_states_kernel, exact=exact),
+        grid=(num_rows, num_heads, dv // block_v),
+        in_specs=[
+            pl.BlockSpec((None,), lambda p, h, j: (p,)),
+            pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, h // ratio, 0)),
+            pl.BlockSpec((None, None, seq, dk), lambda p, h, j: (p, h, 0, 0)),
+            pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j)),
+            pl.BlockSpec((None, None, seq), lambda p, h, j: (p, h, 0)),
+            state_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, seq // CHUNK, dk, block_v), lambda p, h, j: (p, h, 0, 0, j)),
+            pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j)),
+            state_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_rows, num_heads, seq // CHUNK, dk, dv), jnp.float32),
+            jax.ShapeDtypeStruct(u.shape, u.dtype),
+            jax.ShapeDtypeStruct(state.shape, jnp.float32),
+        ],
+        input_output_aliases={5: 2},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+        name="gdn_prefill_chunk_states",
+    )(lengths, k, w, u, gamma, state)
+
+
+# Output pass tile: a 64-wide dv slice in 4 warps compiles to 168 registers and no spills at dk = 128 (bf16, sm_90:
+# ptxas of CUDA 13.4 through pip Triton 3.9, a proxy for XLA's Triton); 128 wide spills in 4 warps, takes 217 in 8.
+OUTPUT_BLOCK_V = 64
+OUTPUT_NUM_WARPS = 4
+
+
+def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, exact: bool, interpret: bool):
+    """The parallel output pass: one program per (row, value head, chunk, dv slice); returns o [P, T, nv, dv]."""
+    num_rows, num_heads, seq, dv = v_new.shape
+    dk = q.shape[-1]
+    ratio = num_heads // q.shape[2]
+    block_v = min(OUTPUT_BLOCK_V, dv)
+    chunk_rows = pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, h // ratio, 0))
+    return pl.pallas_call(
+        functools.partial(_chunk_output_kernel, exact=exact, scale=dk**-0.5),
+        grid=(num_rows, num_heads, seq // CHUNK, dv // block_v),
+        in_specs=[
+            pl.BlockSpec((None,), lambda p, h, c, j: (p,)),
+            chunk_rows,
+            chunk_rows,
+            pl.BlockSpec((None, None, CHUNK), lambda p, h, c, j: (p, h, c)),
+            pl.BlockSpec((None, None, None, dk, block_v), lambda p, h, c, j: (p, h, c, 0, j)),
+            pl.BlockSpec((None, None, CHUNK, block_v), lambda p, h, c, j: (p, h, c, j)),
+        ],
+        out_specs=pl.BlockSpec((None, CHUNK, None, block_v), lambda p, h, c, j: (p, c, h, j)),
+        out_shape=jax.ShapeDtypeStruct((num_rows, seq, num_heads, dv), out_dtype),
+        compiler_params=plt.CompilerParams(num_warps=OUTPUT_NUM_WARPS, num_stages=2),
+        interpret=interpret,
+        name="gdn_prefill_chunk_output",
+    )(lengths, q, k, gamma, states, v_new)
+
+
 def _default_block_v(num_rows: int, num_heads: int, dv: int) -> int:
     """Slices of dv per (row, head) in the sequential pass: 64 wide, or 32 when that leaves fewer than ~2 programs per
     SM of an H200 (132 SMs) — the pass is latency-bound, so more independent programs beat less recomputed Q K^T."""
@@ -306,25 +453,46 @@ def _default_block_v(num_rows: int, num_heads: int, dv: int) -> int:
     return block_v
 
 
-def gdn_chunked_prefill_pallas(q, k, v, g, beta, state, lengths, *, interpret=False, block_v=None, num_warps=None):
+OUTPUT_PASSES = ("fused", "parallel")
+
+
+def _default_num_warps(block_v: int, output_pass: str) -> int:
+    """Warps per program of the sequential pass: the fewest spills at dk = 128 (ptxas, sm_90). The state-only pass of
+    "parallel" holds less (no Q, Q K^T or O): in 8 warps 146 registers at 32 wide, 222 at 64 (4 warps spill at 64)."""
+    return 8 if block_v <= 32 or output_pass == "parallel" else 4
+
+
+def gdn_chunked_prefill_pallas(
+    q, k, v, g, beta, state, lengths, *, interpret=False, block_v=None, num_warps=None, output_pass="fused"
+):
     """Pallas form of `gdn_chunked_prefill_ref`: same layouts, math and result dtypes.
 
+    output_pass: "fused" computes the output inside the sequential pass (two pallas_calls); "parallel" has the
+    sequential pass store each chunk's start state and V' and computes the output in a third, fully parallel
+    pallas_call (n_chunks * dk * dv * 4 bytes of states per row and value head in between).
     block_v / num_warps tile the sequential pass (dv slice per program, warps per program); None picks defaults.
 
     The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.
     dk and dv must be powers of two >= 16 (Triton tiles); T any length (padded to a multiple of 64 inside).
     """
+    if output_pass not in OUTPUT_PASSES:
+        raise ValueError(f"output_pass={output_pass!r}: one of {OUTPUT_PASSES}")
     num_rows, seq, num_heads, dv = v.shape
     dk = q.shape[-1]
     assert k.shape == q.shape and num_heads % q.shape[2] == 0, (q.shape, k.shape, v.shape)
     assert all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv)), f"dk={dk}, dv={dv}: powers of two >= 16"
     exact = q.dtype == jnp.float32
     block_v = block_v or _default_block_v(num_rows, num_heads, dv)
-    tiling = (block_v, num_warps or (8 if block_v <= 32 else 4))  # the fewest spills at dk = 128 (ptxas, sm_90)
+    tiling = (block_v, num_warps or _default_num_warps(block_v, output_pass))
     pad = (-seq) % CHUNK
     if pad:
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, seq)
     w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, exact, interpret)
-    out, state = _state_pass(q, k, w, u, gamma, state.astype(jnp.float32), lengths, v.dtype, tiling, exact, interpret)
+    state = state.astype(jnp.float32)
+    if output_pass == "fused":
+        out, state = _state_pass(q, k, w, u, gamma, state, lengths, v.dtype, tiling, exact, interpret)
+    else:
+        states, v_new, state = _chunk_states(k, w, u, gamma, state, lengths, tiling, exact, interpret)
+        out = _chunk_outputs(q, k, gamma, states, v_new, lengths, v.dtype, exact, interpret)
     return out[:, :seq], state

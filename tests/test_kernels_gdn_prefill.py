@@ -10,6 +10,8 @@ Tolerances, as max |error| / max |reference| over a tensor:
   output itself is bf16 (0.4% at its largest values): measured <= 0.8% (outputs) and <= 0.6% (states). A wrong
   gate, mask, decay or state hand-off moves these by tens of percent.
 Outputs are compared at valid tokens only; at padding tokens the kernel writes zeros (checked).
+Every kernel test runs both output passes, "fused" (output inside the sequential pass) and "parallel" (per-chunk start
+states stored, output in a third, parallel pallas_call), against the same tolerances: both round the same operands.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from qwen35_jax.kernels.gdn_decode import gdn_decode_ref
 from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
 
 TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2.5e-2, 1.5e-2)}  # (outputs, states)
+OUTPUT_PASSES = ["fused", "parallel"]
 
 
 def make_inputs(seed, rows, seq, nk, nv, dk, dv, dtype):
@@ -59,14 +62,17 @@ def assert_matches(out, state, out_ref, state_ref, lengths, dtype):
     assert relative_error(state, state_ref) <= state_tol
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_v"))
-def pallas(q, k, v, g, beta, state, lengths, interpret=True, block_v=None):
-    return gdn_chunked_prefill_pallas(q, k, v, g, beta, state, lengths, interpret=interpret, block_v=block_v)
+@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "output_pass"))
+def pallas(q, k, v, g, beta, state, lengths, interpret=True, block_v=None, output_pass="fused"):
+    return gdn_chunked_prefill_pallas(
+        q, k, v, g, beta, state, lengths, interpret=interpret, block_v=block_v, output_pass=output_pass
+    )
 
 
 reference = jax.jit(gdn_chunked_prefill_ref)
 
 
+@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
 @pytest.mark.parametrize(
     "seq, nk, nv, dk, dv, dtype, block_v",
     [
@@ -76,18 +82,19 @@ reference = jax.jit(gdn_chunked_prefill_ref)
         (16, 1, 1, 16, 32, "bfloat16", None),  # the smallest chunk bucket
     ],
 )
-def test_matches_reference_on_ragged_rows(seq, nk, nv, dk, dv, dtype, block_v):
+def test_matches_reference_on_ragged_rows(seq, nk, nv, dk, dv, dtype, block_v, output_pass):
     """Rows of different lengths in one call (full, not a multiple of 64, empty, one token), each from its own state."""
     inputs = make_inputs(0, 4, seq, nk, nv, dk, dv, jnp.dtype(dtype))
     lengths = jnp.array([seq, seq - 13, 0, 1], jnp.int32)
-    out, state = pallas(*inputs, lengths, block_v=block_v)
+    out, state = pallas(*inputs, lengths, block_v=block_v, output_pass=output_pass)
     out_ref, state_ref = reference(*inputs, lengths)
     assert out.dtype == out_ref.dtype and state.dtype == jnp.float32
     assert_matches(out, state, out_ref, state_ref, lengths, dtype)
     np.testing.assert_array_equal(state[2], inputs[-1][2])  # the empty row keeps its state bit for bit
 
 
-def test_padding_tokens_are_inert():
+@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
+def test_padding_tokens_are_inert(output_pass):
     """Garbage (NaN) at padding tokens changes neither the states nor the valid outputs; padding rows keep their
     state bit for bit."""
     seq = 160  # the shapes of test_state_carries_across_calls: one compile for both
@@ -95,7 +102,7 @@ def test_padding_tokens_are_inert():
     lengths = jnp.array([100, 0, 64], jnp.int32)
     padding = ~valid_mask(lengths, seq)
     poisoned = [jnp.where(padding.reshape(padding.shape + (1,) * (x.ndim - 2)), jnp.nan, x) for x in (q, k, v, g, beta)]
-    out, new_state = pallas(*poisoned, state, lengths)
+    out, new_state = pallas(*poisoned, state, lengths, output_pass=output_pass)
     out_ref, state_ref = reference(q, k, v, g, beta, state, lengths)
     assert_matches(out, new_state, out_ref, state_ref, lengths, jnp.float32)
     np.testing.assert_array_equal(new_state[1], state[1])
@@ -114,7 +121,8 @@ def recurrence(q, k, v, g, beta, state, lengths):
     return jnp.moveaxis(outs, 0, 1), state
 
 
-def test_state_carries_across_calls():
+@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
+def test_state_carries_across_calls(output_pass):
     """Two calls (each row split at its own point) equal one call over the concatenation, and both equal the
     token-by-token recurrence. Row 2 repeats one key with beta ~ 1 and no decay: the hardest triangular solve."""
     seq, nv = 160, 2
@@ -125,12 +133,13 @@ def test_state_carries_across_calls():
     lengths = jnp.array([seq, 150, 130], jnp.int32)
     split = np.array([64, 37, 100])  # tokens of each row in the first call
 
-    out_full, state_full = pallas(q, k, v, g, beta, state, lengths)
+    run = functools.partial(pallas, output_pass=output_pass)
+    out_full, state_full = run(q, k, v, g, beta, state, lengths)
     first = jnp.asarray(split, jnp.int32)
-    out_1, state_1 = pallas(q, k, v, g, beta, state, first)
+    out_1, state_1 = run(q, k, v, g, beta, state, first)
     rest = [np.arange(seq) + s for s in split]  # each row's continuation, shifted to the front
     take = lambda x: jnp.stack([jnp.take(x[p], np.minimum(rest[p], seq - 1), axis=0) for p in range(3)])  # noqa: E731
-    out_2, state_2 = pallas(take(q), take(k), take(v), take(g), take(beta), state_1, lengths - first)
+    out_2, state_2 = run(take(q), take(k), take(v), take(g), take(beta), state_1, lengths - first)
     out_rec, state_rec = jax.jit(recurrence)(q, k, v, g, beta, state, lengths)
 
     assert relative_error(state_2, state_full) <= 2e-5
@@ -141,10 +150,11 @@ def test_state_carries_across_calls():
         assert relative_error(out_full[p, : int(lengths[p])], out_rec[p, : int(lengths[p])]) <= 2e-5
 
 
+@pytest.mark.parametrize("output_pass, num_calls", [("fused", 2), ("parallel", 3)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("block_v", [None, 64])
-def test_lowers_to_triton_for_h200(dtype, block_v):
-    """Without a GPU: both kernels lower to Triton IR for an abstract H200 at 4B shapes (what interpret mode cannot
+def test_lowers_to_triton_for_h200(dtype, block_v, output_pass, num_calls):
+    """Without a GPU: every kernel lowers to Triton IR for an abstract H200 at 4B shapes (what interpret mode cannot
     check: every primitive has a Triton lowering, every loaded or stored tile is a power of two)."""
     from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
@@ -154,11 +164,11 @@ def test_lowers_to_triton_for_h200(dtype, block_v):
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(shapes, dtypes, strict=True)]
     args += [jax.ShapeDtypeStruct((rows, 32, 128, 128), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32)]
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
-    kernel = functools.partial(gdn_chunked_prefill_pallas, block_v=block_v)
+    kernel = functools.partial(gdn_chunked_prefill_pallas, block_v=block_v, output_pass=output_pass)
     with use_abstract_mesh(h200), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's deprecation notice
         module = jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert module.count("__gpu$xla.gpu.triton") == 2
+    assert module.count("__gpu$xla.gpu.triton") == num_calls
 
 
 def test_rejects_tile_unfriendly_head_sizes():
@@ -167,16 +177,23 @@ def test_rejects_tile_unfriendly_head_sizes():
         gdn_chunked_prefill_pallas(*inputs, jnp.array([64], jnp.int32), interpret=True)
 
 
+def test_rejects_unknown_output_pass():
+    inputs = make_inputs(3, 1, 64, 1, 1, 16, 16, jnp.float32)
+    with pytest.raises(ValueError, match="output_pass"):
+        gdn_chunked_prefill_pallas(*inputs, jnp.array([64], jnp.int32), interpret=True, output_pass="sequential")
+
+
 # --- GPU, 4B shapes (nk 16, nv 32, dk = dv = 128) -----------------------------------------------------------------
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_matches_reference_at_4b_shapes(dtype):
+def test_gpu_matches_reference_at_4b_shapes(dtype, output_pass):
     seq = 1024
     inputs = make_inputs(4, 4, seq, 16, 32, 128, 128, jnp.dtype(dtype))
     lengths = jnp.array([seq, 700, 0, 1], jnp.int32)
-    out, state = pallas(*inputs, lengths, interpret=False)
+    out, state = pallas(*inputs, lengths, interpret=False, output_pass=output_pass)
     with jax.default_matmul_precision("highest"):  # the reference in true fp32, not TF32
         out_ref, state_ref = reference(*inputs, lengths)
     assert_matches(out, state, out_ref, state_ref, lengths, dtype)
@@ -184,14 +201,16 @@ def test_gpu_matches_reference_at_4b_shapes(dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_state_carries_across_calls_at_4b_shapes():
+@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
+def test_gpu_state_carries_across_calls_at_4b_shapes(output_pass):
     seq = 512
     q, k, v, g, beta, state = make_inputs(5, 2, 2 * seq, 16, 32, 128, 128, jnp.bfloat16)
     lengths = jnp.array([2 * seq, 2 * seq - 100], jnp.int32)
-    out_full, state_full = pallas(q, k, v, g, beta, state, lengths, interpret=False)
+    run = functools.partial(pallas, interpret=False, output_pass=output_pass)
+    out_full, state_full = run(q, k, v, g, beta, state, lengths)
     halves = [(x[:, :seq], x[:, seq:]) for x in (q, k, v, g, beta)]
-    out_1, state_1 = pallas(*(h[0] for h in halves), state, jnp.full((2,), seq, jnp.int32), interpret=False)
-    out_2, state_2 = pallas(*(h[1] for h in halves), state_1, lengths - seq, interpret=False)
+    out_1, state_1 = run(*(h[0] for h in halves), state, jnp.full((2,), seq, jnp.int32))
+    out_2, state_2 = run(*(h[1] for h in halves), state_1, lengths - seq)
     _, state_tol = TOLERANCES["bfloat16"]
     assert relative_error(state_2, state_full) <= state_tol
     joined = np.concatenate([np.asarray(out_1, np.float32), np.asarray(out_2, np.float32)], axis=1)

@@ -1,13 +1,16 @@
 """Micro-benchmark of the GDN chunked prefill (GPU only): the Pallas kernel against the jitted XLA reference and, when
 flash-linear-attention is importable, its Triton `chunk_gated_delta_rule`, at 4B shapes (nk 16, nv 32, dk = dv = 128).
 
-    JAX_PLATFORMS=cuda python tools/bench_gdn_prefill.py --tokens 1024 2048 4096 8192 --rows 1 4 --block-v 32 64
+    JAX_PLATFORMS=cuda python tools/bench_gdn_prefill.py --tokens 1024 2048 4096 8192 --rows 1 4 --block-v 32 64 \
+        --output-pass fused parallel
 
-Per case it prints the time of one call (mean over --iters back-to-back calls, best of --repeats), the matmul FLOPs
-of the chunked algorithm and their rate against 790 TFLOP/s (bf16 dense), the minimal HBM traffic (inputs, outputs
-and states once) against 4.3 TB/s, the share of the roofline max(FLOPs / 790T, bytes / 4.3T) reached, and the ratio
-of the reference's and fla's times to the kernel's (> 1: the kernel is faster). fla is timed replaying a CUDA graph
-of --iters calls (its host-loop time is kept as `fla_host_loop_ms`), so its Python launch overhead is not counted.
+Per case and kernel configuration (output pass x block_v x num_warps) it prints the time of one call (mean over --iters
+back-to-back calls, best of --repeats), the matmul FLOPs of the chunked algorithm and their rate against 790 TFLOP/s
+(bf16 dense), the minimal HBM traffic (inputs, outputs and states once) against 4.3 TB/s, the share of the roofline
+max(FLOPs / 790T, bytes / 4.3T) reached, and the ratio of the reference's and fla's times to the kernel's (> 1: the
+kernel is faster); for output_pass "parallel" also the size of the per-chunk fp32 states it stores (not counted in the
+minimal traffic). fla is timed replaying a CUDA graph of --iters calls (its host-loop time is kept as
+`fla_host_loop_ms`), so its Python launch overhead is not counted.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ def minimal_bytes(rows: int, tokens: int, nk: int, nv: int, dk: int, dv: int, it
     """q, k, v, beta read and o written once in the model dtype, g fp32, states read and written once in fp32."""
     per_token = (2 * nk * dk + 2 * nv * dv + nv) * itemsize + 4 * nv
     return rows * tokens * per_token + 2 * rows * nv * dk * dv * 4
+
+
+def chunk_states_bytes(rows: int, tokens: int, nv: int, dk: int, dv: int) -> float:
+    """The fp32 start state of every chunk that output_pass="parallel" stores between its two last passes."""
+    return rows * nv * -(-tokens // CHUNK) * dk * dv * 4
 
 
 def time_calls(fn, args, iters: int, repeats: int, sync) -> float:
@@ -124,12 +132,16 @@ def bench_case(args, rows: int, tokens: int) -> dict:
     result = {"rows": rows, "tokens": tokens, "dtype": args.dtype, "gflop": flops / 1e9, "mbytes": nbytes / 1e6}
     result["ref_ms"] = 1e3 * timing(jax.jit(gdn_chunked_prefill_ref), inputs)
     out_ref, _ = jax.jit(gdn_chunked_prefill_ref)(*inputs)
-    for block_v, num_warps in itertools.product(args.block_v, args.num_warps):
-        kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, block_v=block_v, num_warps=num_warps or None))
+    for output_pass, block_v, num_warps in itertools.product(args.output_pass, args.block_v, args.num_warps):
+        tiling = {"block_v": block_v, "num_warps": num_warps or None, "output_pass": output_pass}
+        kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, **tiling))
         seconds = timing(kernel, inputs)
         out, _ = kernel(*inputs)
         error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - out_ref.astype(jnp.float32))))
-        result[f"block_v={block_v} num_warps={num_warps or 'default'}"] = {
+        # "parallel" writes each chunk's fp32 start state and reads it back: HBM traffic beyond the minimal bytes
+        states = chunk_states_bytes(rows, tokens, args.nv, args.dk, args.dv) if output_pass == "parallel" else 0
+        result[f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"] = {
+            "output_pass": output_pass,
             "ms": 1e3 * seconds,
             "tflops": flops / seconds / 1e12,
             "pct_peak_flops": 100 * flops / seconds / PEAK_FLOPS,
@@ -137,6 +149,7 @@ def bench_case(args, rows: int, tokens: int) -> dict:
             "pct_roofline": 100 * roofline / seconds,
             "ref_over_kernel": result["ref_ms"] / (1e3 * seconds),
             "max_abs_err_vs_ref": error,
+            "chunk_states_mbytes": states / 1e6,
         }
     fla = fla_runner(inputs, args.nv // args.nk)
     if fla is not None:
@@ -159,12 +172,13 @@ def report(result: dict) -> str:
         + (f"; fla {result['fla_ms']:.3f} ms" if "fla_ms" in result else "; fla not importable")
     ]
     for key, r in result.items():
-        if key.startswith("block_v"):
+        if key.startswith("output_pass"):
             vs_fla = f", fla/kernel {result['fla_ms'] / r['ms']:.2f}x" if "fla_ms" in result else ""
             lines.append(
                 f"  pallas {key}: {r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s ({r['pct_peak_flops']:.1f}% of "
                 f"790), {r['pct_peak_bytes']:.1f}% of 4.3 TB/s, {r['pct_roofline']:.1f}% of roofline, "
                 f"ref/kernel {r['ref_over_kernel']:.2f}x{vs_fla}, max |err| {r['max_abs_err_vs_ref']:.2e}"
+                + (f", chunk states {r['chunk_states_mbytes']:.0f} MB" if r["chunk_states_mbytes"] else "")
             )
     return "\n".join(lines)
 
@@ -180,6 +194,10 @@ def main() -> None:
     parser.add_argument("--dv", type=int, default=128)
     parser.add_argument("--block-v", type=int, nargs="+", default=[32, 64], help="dv slice of the sequential pass")
     parser.add_argument("--num-warps", type=int, nargs="+", default=[0], help="of the sequential pass; 0: default")
+    parser.add_argument(
+        "--output-pass", nargs="+", default=["fused", "parallel"], choices=["fused", "parallel"],
+        help="output inside the sequential pass (fused) or in a parallel third pallas_call (parallel)",
+    )  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the results to this file")
