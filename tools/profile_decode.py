@@ -1,7 +1,10 @@
 """Profile steady decode steps of the engine on the GPU and summarise the device trace: kernels per step,
-busy device time per step against the step's wall time (what is left is launch and host gaps).
+busy device time per step against the step's wall time (what is left is launch and host gaps), and the
+decode program's optimised HLO: its fusions, copies, while loops, Triton calls, and the normalisations
+(fusions that compute an rsqrt), to see whether XLA fuses the norms with their neighbours (issue 5 item 6).
 
-    python tools/profile_decode.py --model 4b --batch 1 --context 1024 --trace-dir /tmp/trace
+    python tools/profile_decode.py --model 4b --batch 1 --context 1024 --trace-dir /tmp/trace \
+        --kernels pallas --layer-loop unstacked --json profile.json
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import collections
 import glob
 import gzip
 import json
+import re
 import time
 
 import numpy as np
@@ -34,6 +38,30 @@ def summarise(trace_dir: str, steps: int) -> dict:
     }
 
 
+def hlo_summary(text: str) -> dict:
+    """Counts over the optimised HLO text of one program (every computation, loop bodies included)."""
+    fusions = re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = [^=]*? fusion\(", text, re.M)
+    norm_fusions, name, has_rsqrt = set(), None, False
+    for line in text.splitlines():  # a computation starts with a line ending in "{" and ends with "}"
+        if line.rstrip().endswith("{"):
+            name, has_rsqrt = line.split()[0].lstrip("%"), False
+        elif name is not None and " rsqrt(" in line:
+            has_rsqrt = True
+        elif line.startswith("}") and name is not None:
+            if has_rsqrt and "fused" in name:
+                norm_fusions.add(name)
+            name = None
+    return {
+        "fusions": len(fusions),
+        "copies": len(re.findall(r" copy\(", text)),
+        "copy_starts": len(re.findall(r" copy-start\(", text)),
+        "while_loops": len(re.findall(r" while\(", text)),
+        "triton_calls": text.count("__gpu$xla.gpu.triton"),
+        "custom_calls": len(re.findall(r" custom-call\(", text)),
+        "fused_computations_with_rsqrt": len(norm_fusions),
+    }
+
+
 def main() -> None:
     import jax
 
@@ -49,14 +77,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--trace-dir", default="/tmp/trace")
     parser.add_argument("--compile-cache", default=None)
+    parser.add_argument("--kernels", default=None, help="pallas | ref (default: pallas on a GPU)")
+    parser.add_argument("--layer-loop", default="scan", choices=("scan", "unstacked", "unrolled"))
+    parser.add_argument("--json", default=None, help="also write the report here")
+    parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
     args = parser.parse_args()
-    model = load_model(args.model)
+    model = load_model(args.model, kernels=args.kernels)
     config = EngineConfig(
         max_batch=args.batch,
         max_prefill_tokens=args.context,
         max_model_len=args.context + 64,
         gpu_memory_fraction=0.5,
         compile_cache=args.compile_cache,
+        layer_loop=args.layer_loop,
     )
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=(args.batch,), prefill_rows=(1,), chunk=(args.context,))
@@ -81,8 +114,18 @@ def main() -> None:
         engine.step()
     wall = (time.perf_counter() - start) / args.steps
     jax.profiler.stop_trace()
-    report = {"batch": args.batch, "wall_ms_per_step": wall * 1e3, **summarise(args.trace_dir, args.steps)}
+    hlo = engine.runner.executables[(args.batch, 0, 0)].as_text()
+    report = {"batch": args.batch, "kernels": model.kernels_name, "layer_loop": args.layer_loop,
+              "wall_ms_per_step": wall * 1e3, **summarise(args.trace_dir, args.steps),
+              "decode_program_hlo": hlo_summary(hlo),
+              "decode_program_scratch_bytes": engine.runner.temp_bytes[(args.batch, 0, 0)]}  # fmt: skip
     print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.hlo_out:
+        with open(args.hlo_out, "w") as f:
+            f.write(hlo)
 
 
 if __name__ == "__main__":
