@@ -123,11 +123,42 @@ def build(args, model, batches: list[int], chunks: list[int], max_model_len: int
     return engine, time.perf_counter() - start
 
 
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "no room for the KV pool")
+
+
+def largest_batch(candidates: list[int], try_batch) -> tuple[dict | None, dict | None]:
+    """Tries try_batch(b) for each candidate in ascending order until one runs out of memory (at pool
+    sizing, compile or run time). Returns (the last result that ran, the first failure {batch, error});
+    an error that is not out of memory is raised, not taken for "does not fit"."""
+    best = None
+    for batch in sorted(candidates):
+        try:
+            best = try_batch(batch)
+        except Exception as error:  # XlaRuntimeError has no stable public type to catch
+            if not any(marker in str(error) for marker in OUT_OF_MEMORY):
+                raise
+            return best, {"batch": batch, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+    return best, None
+
+
 def _release(engine) -> None:
     import gc
 
     engine.runner.cache = engine.runner.token_state = None
     gc.collect()
+
+
+def search_largest_batch(args, model, rng) -> tuple[dict | None, dict | None]:
+    def try_batch(batch: int) -> dict:
+        engine = None
+        try:
+            engine, _ = build(args, model, [batch], [args.context], args.context + batch + args.steps + 32)
+            return bench_decode(engine, model.config, batch, args.context, args.steps, rng)
+        finally:
+            if engine is not None:
+                _release(engine)
+
+    return largest_batch([int(b) for b in args.max_batch_search.split(",")], try_batch)
 
 
 def main(argv=None) -> None:
@@ -148,6 +179,9 @@ def main(argv=None) -> None:
         help="A/B of the layer loop (unstacked: per-group weight arrays, see model.unstack_groups)",
     )
     parser.add_argument("--ready-only", action="store_true", help="build and compile, report times, exit")
+    parser.add_argument("--max-batch-search", default=None,
+                        help="e.g. 256,384,512,768: after the decode runs, the largest of these batches that fits "
+                             "(pools, compile and run), each with its own engine")  # fmt: skip
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args(argv)
     from qwen35_jax.api import load_model
@@ -172,6 +206,9 @@ def main(argv=None) -> None:
     result["compile_seconds_decode_engine"] = {str(k): v for k, v in engine.runner.compile_seconds.items()}
     result["scratch_bytes_decode_engine"] = {str(k): v for k, v in engine.runner.temp_bytes.items()}
     _release(engine)
+    if args.max_batch_search and not args.ready_only:
+        result["largest_batch"], result["largest_batch_failure"] = search_largest_batch(args, model, rng)
+        print(json.dumps({k: result[k] for k in ("largest_batch", "largest_batch_failure")}), flush=True)
     if not args.ready_only:
         engine, result["compile_s_prefill_engine"] = build(args, model, [1], chunks, chunks[-1] + 16)
         result["prefill"] = [bench_prefill(engine, model.config, t, 3, rng) for t in chunks]

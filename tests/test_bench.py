@@ -84,3 +84,32 @@ def test_percentiles_interpolate_like_numpy():
     assert _percentile(values, 90) == pytest.approx(7.6)
     assert _percentile(values, 99) == pytest.approx(9.76)
     assert _percentile([5.0], 99) == 5.0
+
+
+def test_largest_batch_stops_at_the_first_out_of_memory():
+    from qwen35_jax.serving.offline_bench import largest_batch
+
+    tried = []
+
+    def try_batch(batch):
+        tried.append(batch)
+        if batch >= 512:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 31.2GiB")
+        return {"batch": batch}
+
+    best, failure = largest_batch([768, 256, 512, 384], try_batch)
+    assert tried == [256, 384, 512] and best == {"batch": 384}
+    assert failure["batch"] == 512 and "RESOURCE_EXHAUSTED" in failure["error"]
+    assert largest_batch([1, 2], lambda b: {"batch": b}) == ({"batch": 2}, None)
+
+
+def test_largest_batch_does_not_hide_other_errors():
+    import pytest
+
+    from qwen35_jax.serving.offline_bench import largest_batch
+
+    def try_batch(batch):
+        raise ValueError("a bug, not memory")
+
+    with pytest.raises(ValueError, match="a bug"):
+        largest_batch([1, 2], try_batch)
