@@ -72,6 +72,9 @@ def bench_decode(engine, cfg, batch: int, context: int, steps: int, rng) -> dict
                       lambda o: done.append(o) if o.finish_reason else None)  # fmt: skip
     clock = StepClock()
     clock.run(engine, lambda: len(done) == batch)
+    failed = [o.error for o in done if o.finish_reason == "error"]
+    if failed:  # the engine fails a step's requests instead of raising (an out-of-memory step among them)
+        raise RuntimeError(f"{len(failed)} of {batch} requests failed: {failed[0]}")
     full = [seconds for _, handle, seconds in clock.records
             if handle is not None and handle.plan.action == "decode" and len(handle.plan.decode) == batch]  # fmt: skip
     steady = full[2 : 2 + steps]  # skip the first full steps: the previous step may still be a prefill
