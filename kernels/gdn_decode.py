@@ -24,6 +24,29 @@ memory bound: 2 * 4 * dk * dv bytes of state per head against ~7 dk dv FLOPs.
 In place is safe: each tile is read and written by one program only, and the stored S[d, e] depends on
 u[e], a reduction over the loaded column e, so every load of a column completes before any store to it.
 BLOCK_DV and NUM_WARPS come from `tools/bench_gdn_decode.py --sweep` on the H200 (docs/kernels.md).
+
+In-pool variant (`gdn_decode_pool_ref`, `gdn_decode_pool_pallas`): the same step, reading and writing the rows
+of the slot pool directly instead of a gathered copy, so the states cross HBM once a step (read + write)
+instead of three times (gather, kernel, scatter):
+    pool        [L, S, nv, dk, dv] fp32: every GDN layer's recurrent state of every slot
+    layer       int32 scalar (may be traced): which layer of the pool this call updates
+    slots       [B] int32, 0 <= slots[b] < S: row b's state is pool[layer, slots[b]]
+Returns o as above and the pool with rows (layer, slots[b]) replaced by the new states; every other row is
+left as it was (the kernel never touches it: bit-identical). The Pallas kernel aliases the pool input to the
+pool output, so under jit with the pool donated (or carried in a loop) the update happens in place and no
+copy of the pool is made; without donation XLA copies the pool first to honour the alias.
+Slots must be distinct, except that padding rows may all point at one trash slot (the engine's last slot):
+rows sharing a slot race (their programs load and store the same tiles in no defined order, so the slot ends
+up with some mix of their updates, and a row may even read another's half-written state; the reference's
+scatter keeps one row's state), so the trash slot's content is garbage by contract: nobody may read it, nor
+the padding rows' outputs.
+The pool can exceed 2^31 elements (4B, 256 slots: 24 x 257 x 32 x 128 x 128 fp32 = 3.4e9 elements, 12.9 GB),
+so element offsets into it must be 64-bit. The kernel indexes its pl.ANY pool ref with scalars (layer,
+slots[b], head) and slices, as the paged attention kernels index their page pools: the Triton lowering then
+widens every index to int64 before multiplying by its stride whenever the array is larger than 2^32 bytes
+(`_compute_offsets_from_indices` in jax/_src/pallas/triton/lowering.py); smaller pools keep int32 offsets,
+which cannot overflow there (at most 2^30 fp32 elements). tests/test_kernels_gdn_decode.py checks the int64
+address arithmetic in the lowered Triton IR at 4B shapes.
 """
 
 from __future__ import annotations
@@ -56,15 +79,21 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x) + EPS)
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref):
-    """q_ref, k_ref [dk]; v_ref, o_ref [block]; g_ref, beta_ref []; state_ref, new_state_ref [dk, block]."""
+def _step(q_ref, k_ref, v_ref, g_ref, beta_ref, state):
+    """The fused step on one state tile: q_ref, k_ref [dk]; v_ref [block]; g_ref, beta_ref []; state [dk, block]
+    fp32 -> (o [block] fp32, new state tile)."""
     q = _l2norm(q_ref[...].astype(jnp.float32)) * (q_ref.shape[0] ** -0.5)
     k = _l2norm(k_ref[...].astype(jnp.float32))
-    state = state_ref[...] * jnp.exp(g_ref[...])
+    state = state * jnp.exp(g_ref[...])
     u = beta_ref[...].astype(jnp.float32) * (v_ref[...].astype(jnp.float32) - jnp.sum(state * k[:, None], axis=0))
     state = state + k[:, None] * u[None, :]
-    new_state_ref[...] = state
-    o_ref[...] = jnp.sum(state * q[:, None], axis=0).astype(o_ref.dtype)
+    return jnp.sum(state * q[:, None], axis=0), state
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref):
+    """q_ref, k_ref [dk]; v_ref, o_ref [block]; g_ref, beta_ref []; state_ref, new_state_ref [dk, block]."""
+    o, new_state_ref[...] = _step(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref[...])
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_dv", "num_warps", "interpret"))
@@ -94,3 +123,54 @@ def gdn_decode_blocked(q, k, v, g, beta, state, *, block_dv: int, num_warps: int
 
 def gdn_decode_pallas(q, k, v, g, beta, state, *, interpret=False):
     return gdn_decode_blocked(q, k, v, g, beta, state, block_dv=BLOCK_DV, num_warps=NUM_WARPS, interpret=interpret)
+
+
+def gdn_decode_pool_ref(q, k, v, g, beta, pool, layer, slots):
+    """`gdn_decode_ref` on the rows pool[layer, slots[b]]; returns (o, pool with those rows replaced)."""
+    o, state = gdn_decode_ref(q, k, v, g, beta, pool[layer, slots])
+    return o, pool.at[layer, slots].set(state)
+
+
+def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, new_pool_ref):
+    """layer_ref [1], slots_ref [B] int32; pool_ref, new_pool_ref the whole [L, S, nv, dk, dv] pool (one buffer on
+    the GPU, aliased); the rest as in `_decode_kernel`."""
+    row, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_dv = o_ref.shape[0]
+    # This program's tile pool[layer, slots[row], head, :, block]. Scalar indices into the pl.ANY ref: the
+    # lowering turns them into offsets index * stride, in int64 once the pool passes 2^32 bytes (module notes).
+    # Reading the input ref and writing the output ref is right both compiled (one buffer, each tile read and
+    # written by its own program only) and in interpret mode (the output starts as a copy of the input).
+    tile = (layer_ref[0], slots_ref[row], head, slice(None), pl.ds(block * block_dv, block_dv))
+    o, new_pool_ref[tile] = _step(q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref[tile])
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, *, interpret=False, block_dv=None, num_warps=None):
+    """Pallas version of `gdn_decode_pool_ref` (same arguments and result; module notes for the aliasing and
+    the trash-slot rule). block_dv and num_warps tile it as in `gdn_decode_blocked` (None: BLOCK_DV,
+    NUM_WARPS). Not jitted, and lax primitives only around the pallas_call, like the attention wrappers: the
+    model may call it inside stream-annotated regions, where a nested jit fails."""
+    block_dv, num_warps = block_dv or BLOCK_DV, num_warps or NUM_WARPS
+    batch, num_value_heads, dv = v.shape
+    dk = q.shape[-1]
+    ratio = num_value_heads // q.shape[1]
+    block_dv = min(block_dv, dv)
+    assert pool.dtype == jnp.float32 and pool.shape[2:] == (num_value_heads, dk, dv), (pool.shape, pool.dtype)
+    assert dk & (dk - 1) == 0, f"dk={dk}: Triton loads need a power of two"
+    assert block_dv & (block_dv - 1) == 0 and dv % block_dv == 0, f"dv={dv} is not a multiple of {block_dv=}"
+    key_spec = pl.BlockSpec((None, None, dk), lambda b, h, j: (b, h // ratio, 0))
+    value_spec = pl.BlockSpec((None, None, block_dv), lambda b, h, j: (b, h, j))
+    head_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, h))
+    whole = pl.BlockSpec(memory_space=pl.ANY)  # no blocking: the kernel computes its pool tile from slots
+    return pl.pallas_call(
+        _pool_decode_kernel,
+        grid=(batch, num_value_heads, dv // block_dv),
+        in_specs=[whole, whole, key_spec, key_spec, value_spec, head_spec, head_spec, whole],
+        out_specs=[value_spec, whole],
+        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(pool.shape, jnp.float32)],
+        input_output_aliases={7: 1},  # pool in -> pool out: only the step's rows are written
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_decode_pool",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(slots, jnp.int32), q, k, v, g.astype(jnp.float32), beta,
+      pool)  # fmt: skip

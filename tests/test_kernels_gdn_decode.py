@@ -10,6 +10,13 @@ Tolerances:
 - o in fp32: |o| ~ 0.1 (q is unit-norm and scaled by dk^-0.5); same fp32 argument, atol 1e-6, rtol 1e-5.
 - o in bf16: both sides round the same fp32 value to bf16, and a last-ulp fp32 difference can flip that
   rounding: one bf16 ulp is 2^-8 relative, so rtol 2^-7 with atol 1e-5 for values near zero.
+
+In-pool variant (`gdn_decode_pool_pallas` against `gdn_decode_pool_ref`): the same per-tile arithmetic, so the
+same tolerances for o and for the rows the step writes. Exact checks: pool rows the step does not write come
+back bit-identical (the kernel never stores to them; a wrong layer, slot or column offset would overwrite
+one), and `gdn_decode_pool_ref` is bit-for-bit gather + `gdn_decode_ref` + scatter (same ops, same inputs).
+The trash slot that padding rows share holds garbage by contract and is left out of every comparison, as are
+the padding rows' outputs.
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen35_jax.kernels.gdn_decode import BLOCK_DV, gdn_decode_pallas, gdn_decode_ref
+from qwen35_jax.kernels.gdn_decode import (
+    BLOCK_DV,
+    gdn_decode_pallas,
+    gdn_decode_pool_pallas,
+    gdn_decode_pool_ref,
+    gdn_decode_ref,
+)
 
 STATE_TOL = dict(atol=1e-5, rtol=1e-5)
 OUT_TOL = {jnp.float32: dict(atol=1e-6, rtol=1e-5), jnp.bfloat16: dict(atol=1e-5, rtol=2**-7)}
@@ -145,3 +158,200 @@ def test_gpu_donated_state_updated_in_place():
     _, new_state = jax.jit(gdn_decode_pallas, donate_argnums=5)(*inputs, state)
     assert state.is_deleted()
     assert new_state.unsafe_buffer_pointer() == pointer
+
+
+# ---- in-pool decode: the step's rows updated inside the [L, S, nv, dk, dv] slot pool ---------------------------
+
+POOL_LAYERS = 3
+
+
+def pool_case(rng, batch, nv, dk, dv):
+    """A random pool [POOL_LAYERS, batch + 3, nv, dk, dv]: `batch` rows' distinct slots in shuffled order, two
+    slots no row uses and the trash slot (the last), which padding rows share."""
+    num_slots = batch + 3
+    pool = jnp.asarray(0.5 * rng.standard_normal((POOL_LAYERS, num_slots, nv, dk, dv), dtype=np.float32))
+    return pool, rng.permutation(num_slots - 1)[:batch], num_slots - 1
+
+
+def run_pool_steps(batch, nk, nv, dk, dv, dtype, layers, padding=0, block_dv=None, seed=0):
+    """Kernel (interpret mode, jitted so that `layer` is traced) and reference each carry their own pool through
+    one step per entry of `layers`; rows arrive in a new order every step, `padding` rows at the trash slot."""
+    rng = np.random.default_rng(seed)
+    pool, real, trash = pool_case(rng, batch, nv, dk, dv)
+    kernel_step = jax.jit(lambda *a: gdn_decode_pool_pallas(*a, interpret=True, block_dv=block_dv))
+    kernel_pool = ref_pool = pool
+    garbage = np.zeros(pool.shape[:2], bool)  # trash rows a padding row has written: no defined content
+    for step, layer in enumerate(layers):
+        slots = jnp.asarray(np.concatenate([rng.permutation(real), np.full(padding, trash)]), jnp.int32)
+        inputs = step_inputs(jax.random.PRNGKey(seed * 100 + step + 1), batch + padding, nk, nv, dk, dv, dtype)
+        out, new_pool = kernel_step(*inputs, kernel_pool, jnp.int32(layer), slots)
+        ref_out, ref_pool = gdn_decode_pool_ref(*inputs, ref_pool, jnp.int32(layer), slots)
+        assert out.dtype == dtype and out.shape == (batch + padding, nv, dv)
+        assert new_pool.dtype == jnp.float32 and new_pool.shape == pool.shape
+        written = np.zeros(pool.shape[:2], bool)
+        written[layer, np.asarray(slots)] = True
+        new, old = np.asarray(new_pool), np.asarray(kernel_pool)
+        np.testing.assert_array_equal(
+            new[~written], old[~written], err_msg=f"rows the step does not write, step {step}"
+        )
+        garbage[layer, trash] |= padding > 0
+        np.testing.assert_allclose(np.float32(out[:batch]), np.float32(ref_out[:batch]), **OUT_TOL[dtype],
+                                   err_msg=f"o, step {step}")  # fmt: skip
+        np.testing.assert_allclose(new[~garbage], np.asarray(ref_pool)[~garbage], **STATE_TOL,
+                                   err_msg=f"pool, step {step}")  # fmt: skip
+        kernel_pool = new_pool
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "batch, nk, nv, dk, dv, block_dv, padding",
+    [(3, 2, 4, 16, 64, 16, 0), (4, 1, 4, 32, 32, None, 2), (5, 2, 4, 128, 128, None, 0), (3, 2, 2, 128, 128, None, 1)],
+    ids=["ratio2-dv-split-4", "ratio4-padding", "head-dims-128", "head-dims-128-ratio1-padding"],
+)
+def test_pool_matches_ref_over_steps(batch, nk, nv, dk, dv, block_dv, padding, dtype):
+    """Four steps at layers 1, 2, 2, 0: non-zero layers, the same rows carried twice in a row, and layer 0."""
+    run_pool_steps(batch, nk, nv, dk, dv, dtype, layers=[1, 2, 2, 0], padding=padding, block_dv=block_dv, seed=batch)
+
+
+def test_pool_ref_is_gather_ref_scatter():
+    """`gdn_decode_pool_ref` is exactly gdn_decode_ref on pool[layer][slots], written back to those rows (numpy
+    gather and scatter here); a wrong layer or slot order changes whole rows."""
+    rng = np.random.default_rng(3)
+    pool = 0.5 * rng.standard_normal((POOL_LAYERS, 7, 4, 16, 32), dtype=np.float32)
+    layer, slots = 2, np.array([5, 0, 3], np.int32)
+    inputs = step_inputs(jax.random.PRNGKey(4), 3, 2, 4, 16, 32, jnp.bfloat16)
+    out, new_pool = gdn_decode_pool_ref(*inputs, jnp.asarray(pool), jnp.int32(layer), jnp.asarray(slots))
+    expected_out, rows = gdn_decode_ref(*inputs, jnp.asarray(pool[layer][slots]))
+    expected_pool = pool.copy()
+    expected_pool[layer, slots] = np.asarray(rows)
+    np.testing.assert_array_equal(np.float32(out), np.float32(expected_out))
+    np.testing.assert_array_equal(np.asarray(new_pool), expected_pool)
+
+
+def test_pool_wrapper_holds_no_nested_jit():
+    """Only lax primitives around the pallas_call (the model may call it inside stream-annotated regions, where
+    a nested jit fails at run time), and the pool (operand 7) is aliased to the new pool (result 1)."""
+    shape = jax.ShapeDtypeStruct
+    jaxpr = jax.make_jaxpr(lambda *a: gdn_decode_pool_pallas(*a, interpret=True))(
+        *h200_inputs(batch=3, nk=2, nv=4, dk=16, dv=32)[:5], shape((POOL_LAYERS, 5, 4, 16, 32), jnp.float32),
+        shape((), jnp.int32), shape((3,), jnp.int32),
+    )  # fmt: skip
+    names = [eqn.primitive.name for eqn in jaxpr.eqns]
+    assert "pallas_call" in names and not {"jit", "pjit", "closed_call"} & set(names), names
+    [call] = list(pallas_calls(jaxpr.jaxpr))
+    assert tuple(call.params["input_output_aliases"]) == ((7, 1),)
+
+
+def triton_modules(lowered) -> list[str]:
+    """The Triton IR of every pallas_call in a lowered program, as MLIR text. The custom call carries it as MLIR
+    bytecode; reading it back needs a context with jaxlib's Triton dialect, which the Pallas lowering uses too
+    (private jax/jaxlib modules: there is no public way to read this IR)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jaxlib.triton import dialect as triton_dialect
+
+    blobs = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    attributes = inner.operation.attributes
+                    if (inner.operation.name == "stablehlo.custom_call"
+                            and ir.StringAttr(attributes["call_target_name"]).value == "__gpu$xla.gpu.triton"):  # fmt: skip
+                        blobs.append(ir.StringAttr(ir.DictAttr(attributes["mhlo.backend_config"])["ir"]).value_bytes)
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    context = mlir.make_ir_context()
+    triton_dialect.register_dialect(context)
+    context.load_all_available_dialects()
+    with context:
+        return [str(ir.Module.parse(blob)) for blob in blobs]
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("num_slots, offset_bits", [(257, 64), (5, 32)], ids=["pool-12.9GB", "pool-250MB"])
+def test_pool_lowers_to_triton_for_h200(num_slots, offset_bits):
+    """4B shapes at batch 64 and a pool [24, num_slots, 32, 128, 128] fp32 given abstractly (nothing is allocated).
+    The 4B pool at 256 slots + trash (3.4e9 elements, 12.9 GB) must be addressed with 64-bit offsets: both pool
+    accesses (the tile's load from the input and its store to the aliased output) add an i64 offset tensor to
+    the pool pointer, and layer and slot are multiplied by their strides (num_slots * 32 * 128 * 128 and
+    32 * 128 * 128 elements) in i64. The 250 MB pool is the control that shows the check tells them apart: there
+    the lowering keeps int32 offsets. Checks the pool alias (operand 7 -> result 1) and the grid too."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    batch, nv, dk, dv = 64, 32, 128, 128
+    args = [*h200_inputs(batch=batch)[:5], jax.ShapeDtypeStruct((24, num_slots, nv, dk, dv), jnp.float32),
+            jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32)]  # fmt: skip
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        lowered = jax.jit(gdn_decode_pool_pallas).trace(*args).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "output_operand_alias<output_tuple_indices = [1], operand_index = 7" in text
+    assert re.findall(r"grid_[xyz] = (\d+)", text) == [str(batch), str(nv), str(dv // BLOCK_DV)]
+    [triton] = triton_modules(lowered)
+    tile = f"{dk}x{BLOCK_DV}"
+    pool_offsets = re.findall(rf"tt\.addptr .* : tensor<{tile}x!tt\.ptr<f32>>, tensor<{tile}xi(\d+)>", triton)
+    assert pool_offsets == [str(offset_bits)] * 2, pool_offsets
+    for stride in (num_slots * nv * dk * dv, nv * dk * dv):  # layer, slot
+        assert f"arith.constant {stride} : i{offset_bits}" in triton, stride
+
+
+@jax.jit
+def pools_agree(pool, ref_pool, written, garbage):
+    """On the device (the pools are 12.9 GB each): (rows never written are bit-identical, every row but the
+    garbage ones is within STATE_TOL); written and garbage are [L, S] masks."""
+    written, garbage = written[:, :, None, None, None], garbage[:, :, None, None, None]
+    same = jnp.all((pool == ref_pool) | written | garbage)
+    close = jnp.abs(pool - ref_pool) <= STATE_TOL["atol"] + STATE_TOL["rtol"] * jnp.abs(ref_pool)
+    return same, jnp.all(close | garbage)
+
+
+@pytest.mark.gpu
+def test_gpu_pool_over_2_31_elements_matches_ref():
+    """The compiled in-pool kernel at 4B shapes on the 4B pool at 256 slots + trash: [24, 257, 32, 128, 128] fp32,
+    3.4e9 elements (12.9 GB), past 2^31, so int32 element offsets would wrap for the upper rows. Batch 64: 62
+    real rows, half in the lowest and half in the highest slots, in shuffled order, and 2 padding rows at the
+    trash slot; three bf16 steps at layers 23, 11, 23 (layer 23 holds the highest addresses). Kernel and
+    reference each carry their own donated pool: 2 x 12.9 GB plus the random fill's temporaries, well within
+    the H200's memory."""
+    layers, num_slots, batch, nk, nv, dk, dv = 24, 257, 64, 16, 32, 128, 128
+    trash = num_slots - 1
+    rng = np.random.default_rng(0)
+    real = rng.permutation(np.concatenate([np.arange(31), np.arange(trash - 31, trash)]))
+    slots = jnp.asarray(np.concatenate([real, [trash, trash]]), jnp.int32)
+    pool = jax.jit(lambda key: 0.5 * jax.random.normal(key, (layers, num_slots, nv, dk, dv), jnp.float32))(
+        jax.random.PRNGKey(0)
+    )
+    assert pool.size > 2**31
+    ref_pool = jnp.copy(pool)
+    step = jax.jit(gdn_decode_pool_pallas, donate_argnums=5)
+    ref_step = jax.jit(gdn_decode_pool_ref, donate_argnums=5)
+    written = np.zeros((layers, num_slots), bool)
+    garbage = np.zeros((layers, num_slots), bool)
+    for i, layer in enumerate([23, 11, 23]):
+        inputs = step_inputs(jax.random.PRNGKey(i + 1), batch, nk, nv, dk, dv, jnp.bfloat16)
+        out, pool = step(*inputs, pool, jnp.int32(layer), slots)
+        with jax.default_matmul_precision("highest"):  # IEEE fp32 einsums in the reference, as in the kernel
+            ref_out, ref_pool = ref_step(*inputs, ref_pool, jnp.int32(layer), slots)
+        written[layer, real] = True
+        garbage[layer, trash] = True
+        np.testing.assert_allclose(np.float32(out[:62]), np.float32(ref_out[:62]), **OUT_TOL[jnp.bfloat16])
+        rows = jnp.asarray(real)
+        np.testing.assert_allclose(np.asarray(pool[layer, rows]), np.asarray(ref_pool[layer, rows]), **STATE_TOL)
+        same, close = pools_agree(pool, ref_pool, jnp.asarray(written), jnp.asarray(garbage))
+        assert bool(same), f"rows never written changed, step {i}"
+        assert bool(close), f"pool rows outside STATE_TOL, step {i}"
+
+
+@pytest.mark.gpu
+def test_gpu_pool_donated_updated_in_place():
+    """With the pool donated, the new pool lives in the input's buffer: the step writes only its rows, no copy."""
+    inputs = step_inputs(jax.random.PRNGKey(1), 8, 16, 32, 128, 128, jnp.bfloat16)
+    pool = jnp.ones((2, 9, 32, 128, 128), jnp.float32)
+    pointer = pool.unsafe_buffer_pointer()
+    slots = jnp.asarray([7, 0, 3, 5, 1, 6, 2, 4], jnp.int32)
+    _, new_pool = jax.jit(gdn_decode_pool_pallas, donate_argnums=5)(*inputs, pool, jnp.int32(1), slots)
+    assert pool.is_deleted()
+    assert new_pool.unsafe_buffer_pointer() == pointer

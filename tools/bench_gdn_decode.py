@@ -4,17 +4,28 @@ fla's Triton `fused_recurrent_gated_delta_rule` (l2norm in the kernel, as here).
 
     JAX_PLATFORMS=cuda python tools/bench_gdn_decode.py --batch 1 8 64 256
     JAX_PLATFORMS=cuda python tools/bench_gdn_decode.py --batch 256 --sweep    # every (block_dv, num_warps)
+    JAX_PLATFORMS=cuda python tools/bench_gdn_decode.py --pool --batch 1 8 64 256   # in the slot pool, below
 
 Time is device time a call: `iters` calls chained in one jitted loop (the state carried, as in serving), the
 best of `--repeats` runs, so host dispatch is not counted (fla: `iters` calls replayed from one CUDA graph).
 The kernel is memory bound; the roofline is bytes moved / 4.3 TB/s (the fp32 state read and written once
 dominates: 2 * 4 * dk * dv bytes a head). XLA may hoist the loop-invariant l2norm of q, k out of the
 reference's loop, which flatters the reference slightly.
+
+--pool: the states live in a slot pool [layers, batch + 1, nv, dk, dv] fp32 (24 layers as at 4B; the last slot
+is the engine's trash slot, unused here) and the batch's rows are its other slots in shuffled order. It times
+(a) "gather+kernel+scatter": gather the rows of one layer, `gdn_decode_blocked`, scatter them back (what the
+model does today, per layer), against (b) "in-pool pallas": `gdn_decode_pool_pallas` updating the rows in the
+pool. Both are chained through the donated pool in one jitted loop whose iteration i updates layer i % layers,
+as the model walks its layers (one layer's rows alone would stay in L2 at small batches; at batch 1 the 24
+layers' rows, 48 MB, may still fit in the H200's L2). Same bytes and roofline as above (the rows' states read
+and written once): (a) moves them three times, (b) once. The ratio column is against (a).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -73,6 +84,30 @@ def device_time(step, inputs, iters: int, repeats: int) -> float:
     return best / iters
 
 
+def pool_device_time(step, inputs, pool, slots, iters: int, repeats: int):
+    """(seconds a call of step(q, k, v, g, beta, pool, layer, slots) -> (o, pool), pool): `iters` calls chained
+    through the donated pool in one program, call i at layer i % layers; returns the pool for the next run."""
+    import jax
+
+    q, k, v, g, beta, _ = inputs
+    layers = pool.shape[0]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def chain(pool):
+        def body(i, carry):
+            return step(q, k, v, g, beta, carry[1], i % layers, slots)
+
+        return jax.lax.fori_loop(0, iters, body, (v, pool))
+
+    _, pool = jax.block_until_ready(chain(pool))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _, pool = jax.block_until_ready(chain(pool))
+        best = min(best, time.perf_counter() - start)
+    return best / iters, pool
+
+
 def fla_time(inputs, iters: int, repeats: int) -> float | None:
     """Seconds a call of fla's fused_recurrent_gated_delta_rule, or None without torch + fla."""
     try:
@@ -117,15 +152,17 @@ RESULTS: list[dict] = []  # every printed row, for --json
 
 
 def report(name: str, seconds: float, bytes_moved: int, flops: int, ref_seconds: float, fla_seconds: float | None,
-           batch: int):  # fmt: skip
+           batch: int, baseline: str = "XLA ref", label: str | None = None, **extra):  # fmt: skip
+    """One result row: printed (as `label`, default `name`) and kept for --json. ref_over_impl is the time of
+    `baseline` (ref_seconds) over this one; extra fields go into the JSON row."""
     roofline = bytes_moved / HBM_BYTES_PER_S
     RESULTS.append(dict(kernel="gdn_decode", batch=batch, impl=name, us=seconds * 1e6, bytes=bytes_moved,
                         flops=flops, roofline_us=roofline * 1e6, roofline_pct=100 * roofline / seconds,
-                        ref_over_impl=ref_seconds / seconds,
-                        fla_over_impl=None if fla_seconds is None else fla_seconds / seconds))  # fmt: skip
+                        baseline=baseline, ref_over_impl=ref_seconds / seconds,
+                        fla_over_impl=None if fla_seconds is None else fla_seconds / seconds, **extra))  # fmt: skip
     line = (
-        f"  {name:<28} {seconds * 1e6:9.2f} us  {bytes_moved / 1e6:9.2f} MB  {flops / 1e9:7.3f} GFLOP"
-        f"  {100 * roofline / seconds:5.1f}% of 4.3 TB/s  x{ref_seconds / seconds:5.2f} vs XLA ref"
+        f"  {label or name:<28} {seconds * 1e6:9.2f} us  {bytes_moved / 1e6:9.2f} MB  {flops / 1e9:7.3f} GFLOP"
+        f"  {100 * roofline / seconds:5.1f}% of 4.3 TB/s  x{ref_seconds / seconds:5.2f} vs {baseline}"
     )
     if fla_seconds is not None:
         line += f"  x{fla_seconds / seconds:5.2f} vs fla"
@@ -139,6 +176,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None, help="also write every result row to this file")
     parser.add_argument("--sweep", action="store_true", help="time every (block_dv, num_warps) in SWEEP")
+    parser.add_argument("--pool", action="store_true", help="gather+kernel+scatter vs the in-pool kernel (above)")
+    parser.add_argument("--layers", type=int, default=24, help="--pool: layers of the pool (24 at 4B)")
     args = parser.parse_args()
 
     import jax
@@ -151,6 +190,9 @@ def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16 q/k/v, fp32 state")
     configs = SWEEP if args.sweep else [(gdn_decode.BLOCK_DV, gdn_decode.NUM_WARPS)]
     for batch in args.batch:
+        if args.pool:
+            bench_pool(batch, args.layers, configs, args.sweep, args.iters, args.repeats)
+            continue
         inputs = make_inputs(batch)
         bytes_moved, flops = traffic(inputs[0], inputs[2], inputs[5])
         ref_seconds = device_time(gdn_decode.gdn_decode_ref, inputs, args.iters, args.repeats)
@@ -172,6 +214,52 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)
+
+
+def gather_kernel_scatter(q, k, v, g, beta, pool, layer, slots, *, block_dv: int, num_warps: int):
+    """What the model does today around the kernel: the rows out of the pool, the kernel, the rows back."""
+    from qwen35_jax.kernels.gdn_decode import gdn_decode_blocked
+
+    o, rows = gdn_decode_blocked(q, k, v, g, beta, pool[layer, slots], block_dv=block_dv, num_warps=num_warps)
+    return o, pool.at[layer, slots].set(rows)
+
+
+def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeats: int) -> None:
+    """--pool for one batch: both ways through a [layers, batch + 1, nv, dk, dv] pool, for each config."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen35_jax.kernels.gdn_decode import gdn_decode_pool_pallas
+
+    inputs = make_inputs(batch)
+    bytes_moved, flops = traffic(inputs[0], inputs[2], inputs[5])  # the rows' states read + written once
+    nv, dk, dv = inputs[5].shape[1:]
+    kp, ks = jax.random.split(jax.random.PRNGKey(1))
+    pool = jax.jit(lambda key: 0.5 * jax.random.normal(key, (layers, batch + 1, nv, dk, dv), jnp.float32))(kp)
+    slots = jax.random.permutation(ks, batch).astype(jnp.int32)  # slot `batch`, the trash slot, stays unused
+    print(f"batch {batch}, pool of {layers} layers x {batch + 1} slots ({pool.nbytes / 1e9:.1f} GB):")
+    for block_dv, warps in configs:
+        tiling = dict(block_dv=block_dv, num_warps=warps)
+        gather = functools.partial(gather_kernel_scatter, **tiling)
+        in_pool = functools.partial(gdn_decode_pool_pallas, **tiling)
+
+        @jax.jit
+        def one_step_apart(pool, gather=gather, in_pool=in_pool):
+            """Max |difference| of the new rows and of o after one step both ways from the same pool, at layer 1
+            (not donated: XLA copies the pool for each result, 3 pools at most in memory)."""
+            o_a, pool_a = gather(*inputs[:5], pool, 1, slots)
+            o_b, pool_b = in_pool(*inputs[:5], pool, 1, slots)
+            rows = jnp.max(jnp.abs(pool_a[1, slots] - pool_b[1, slots]))
+            return rows, jnp.max(jnp.abs(o_a.astype(jnp.float32) - o_b.astype(jnp.float32)))
+
+        rows_error, out_error = (float(x) for x in one_step_apart(pool))
+        print(f"  dv/{block_dv} warps {warps}: max |new rows a - b| {rows_error:.2e}, max |o a - b| {out_error:.2e}")
+        gather_seconds, pool = pool_device_time(gather, inputs, pool, slots, iters, repeats)
+        pool_seconds, pool = pool_device_time(in_pool, inputs, pool, slots, iters, repeats)
+        for name, seconds in (("gather+kernel+scatter", gather_seconds), ("in-pool pallas", pool_seconds)):
+            label = f"{name} dv/{block_dv} w{warps}" if sweep else name
+            report(name, seconds, bytes_moved, flops, gather_seconds, None, batch, baseline="gather+kernel+scatter",
+                   label=label, mode="pool", layers=layers, **tiling)  # fmt: skip
 
 
 if __name__ == "__main__":
