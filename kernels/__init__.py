@@ -23,7 +23,12 @@ from qwen35_jax.kernels.conv1d import (
     causal_conv1d_update_ref,
 )
 from qwen35_jax.kernels.decode_attention import paged_decode_attention_pallas, paged_decode_attention_ref
-from qwen35_jax.kernels.gdn_decode import gdn_decode_pallas, gdn_decode_ref
+from qwen35_jax.kernels.gdn_decode import (
+    gdn_decode_pallas,
+    gdn_decode_pool_pallas,
+    gdn_decode_pool_ref,
+    gdn_decode_ref,
+)
 from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
 from qwen35_jax.kernels.prefill_attention import paged_prefill_attention_pallas, paged_prefill_attention_ref
 
@@ -38,16 +43,17 @@ class Mixers(NamedTuple):
     conv_update: object
     decode_attention: object
     prefill_attention: object
+    gdn_decode_pool: object  # the GDN decode updating the slot pool in place (ModelDef.gdn_state "in_pool")
 
 
 REF = Mixers(
     "ref", gdn_chunked_prefill_ref, gdn_decode_ref, causal_conv1d_prefill_ref, causal_conv1d_update_ref,
-    paged_decode_attention_ref, paged_prefill_attention_ref,
+    paged_decode_attention_ref, paged_prefill_attention_ref, gdn_decode_pool_ref,
 )  # fmt: skip
 
 _PALLAS = (
     gdn_chunked_prefill_pallas, gdn_decode_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pallas,
-    paged_decode_attention_pallas, paged_prefill_attention_pallas,
+    paged_decode_attention_pallas, paged_prefill_attention_pallas, gdn_decode_pool_pallas,
 )  # fmt: skip
 PALLAS = Mixers("pallas", *_PALLAS)
 # Built once: jit keys compiled programs on the Mixers value, so the partials must be the same objects.

@@ -154,42 +154,49 @@ class GatedDeltaNet(nnx.Module):
                 k.reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
                 v.reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim))  # fmt: skip
 
-    def _decode(self, ctx, mixed, g, beta, ssm, conv):
+    def _decode(self, ctx, mixed, g, beta, ssm, conv, pools, layer):
         weight = self.conv1d.weight[...][:, 0, :]
         mixed, conv = ctx.mixers.conv_update(mixed, weight, conv)
         q, k, v = self._split_qkv(mixed)
+        if ssm is None:  # "in_pool": the decode rows' states are updated where they live, in the slot pool
+            out, pool = ctx.mixers.gdn_decode_pool(q, k, v, g, beta, pools.ssm, layer, ctx.inputs.decode.slots)
+            return out, None, conv, dataclasses.replace(pools, ssm=pool)
         out, ssm = ctx.mixers.gdn_decode(q, k, v, g, beta, ssm)
-        return out, ssm, conv
+        return out, ssm, conv, pools
 
-    def _prefill(self, ctx, mixed, g, beta, ssm, conv):
+    def _prefill(self, ctx, mixed, g, beta, ssm, conv, pools, layer):
         lengths = ctx.inputs.prefill.lengths
         weight = self.conv1d.weight[...][:, 0, :]
         mixed, conv = ctx.mixers.conv_prefill(mixed, weight, conv, lengths)
         q, k, v = self._split_qkv(mixed)
         out, ssm = ctx.mixers.gdn_prefill(q, k, v, g, beta, ssm, lengths)
-        return out, ssm, conv
+        return out, ssm, conv, pools
 
-    def __call__(self, x, state: GdnState, ctx: StepContext):
-        """x [N, hidden]; state: this layer's rows (decode rows first, then prefill rows)."""
+    def __call__(self, x, state: GdnState, ctx: StepContext, pools: KVPages, layer):
+        """x [N, hidden]; state: this layer's rows (decode rows first, then prefill rows), except that with
+        pools.ssm set ("in_pool") state.ssm holds the prefill rows only and the decode rows' recurrent states
+        are updated in pools.ssm, GDN layer `layer` of it. Returns (output, new state, pools)."""
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x)
         beta = jax.nn.sigmoid(self.in_proj_b(x))
         a = self.in_proj_a(x).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-        sides = (ctx.split(mixed), ctx.split(g), ctx.split(beta), ctx.split_rows(state.ssm), ctx.split_rows(state.conv))
+        ssm_sides = ctx.split_rows(state.ssm) if pools.ssm is None else (None, state.ssm)
+        sides = (ctx.split(mixed), ctx.split(g), ctx.split(beta), ssm_sides, ctx.split_rows(state.conv))
         outs, ssms, convs = [], [], []
         for run, (mixed_s, g_s, beta_s, ssm_s, conv_s) in zip(
             (self._decode, self._prefill), zip(*sides, strict=True), strict=True
         ):
             if mixed_s is not None:
-                out, ssm_s, conv_s = run(ctx, mixed_s, g_s, beta_s, ssm_s, conv_s)
+                out, ssm_s, conv_s, pools = run(ctx, mixed_s, g_s, beta_s, ssm_s, conv_s, pools, layer)
                 outs.append(out.reshape(-1, *out.shape[-2:]))
                 ssms.append(ssm_s)
                 convs.append(conv_s)
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv, dv]
         out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)
-        new_state = GdnState(jnp.concatenate(ssms), jnp.concatenate(convs))
-        return self.out_proj(out), new_state
+        ssms = [x for x in ssms if x is not None]
+        ssm = (jnp.concatenate(ssms) if len(ssms) > 1 else ssms[0]) if ssms else state.ssm  # in_pool, no prefill
+        return self.out_proj(out), GdnState(ssm, jnp.concatenate(convs)), pools
 
 
 def rotate_half(x):
@@ -267,10 +274,11 @@ class DecoderLayer(nnx.Module):
             self.self_attn = Attention(cfg, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def __call__(self, h, cache, layer, state, ctx):
-        """Linear layers read and return their GdnState; the attention layer reads and returns the KV pages."""
+    def __call__(self, h, cache, layer, state, ctx, linear_layer=None):
+        """Linear layers read and return their GdnState (and, "in_pool", the slot pool in cache.ssm, their
+        index linear_layer of it); the attention layer reads and returns the KV pages (its index: layer)."""
         if hasattr(self, "linear_attn"):
-            out, state = self.linear_attn(self.input_layernorm(h), state, ctx)
+            out, state, cache = self.linear_attn(self.input_layernorm(h), state, ctx, cache, linear_layer)
         else:
             out, cache = self.self_attn(self.input_layernorm(h), cache, layer, ctx)
         h = h + out
@@ -287,9 +295,10 @@ class LayerGroup(nnx.Module):
     def __call__(self, h, cache, group, states: GdnState, ctx):
         """states: [linear_per_group, R, ...] for this group's GDN layers; returns them updated."""
         new_states = []
+        linear_per_group = len(self.layers) - 1
         for j, layer in enumerate(self.layers):
-            state = jax.tree.map(lambda x, j=j: x[j], states) if j < len(self.layers) - 1 else None
-            h, cache, state = layer(h, cache, group, state, ctx)
+            state = jax.tree.map(lambda x, j=j: x[j], states) if j < linear_per_group else None
+            h, cache, state = layer(h, cache, group, state, ctx, group * linear_per_group + j)
             if state is not None:
                 new_states.append(state)
         return h, cache, jax.tree.map(lambda *xs: jnp.stack(xs), *new_states)
@@ -314,10 +323,12 @@ class Embedding(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVPages:
-    """The paged KV pools, the only cache the layer scan carries."""
+    """The pools the layer loop carries: the paged KV pools, and with gdn_state "in_pool" in a step that has
+    decode rows, the GDN recurrent-state pool (the decode rows' states are updated in it in place)."""
 
     k_pages: jax.Array
     v_pages: jax.Array
+    ssm: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,9 +345,14 @@ class ModelDef:
     # weights through a slice. Both are kept to A/B the scan's per-step cost on the GPU: a copy of one
     # group's weights per scan iteration is suspected (docs/performance.md).
     layer_loop: str = "scan"
+    # "gather": the step's GDN states are gathered out of the slot pool, carried, and scattered back.
+    # "in_pool": decode rows' recurrent states are updated in the pool by the kernel (one read and write of
+    # each instead of three); prefill rows and the conv states are still gathered. Kept for the GPU A/B
+    # (docs/performance.md: the round trip is ~18 ms of a batch-256 step); not measured yet.
+    gdn_state: str = "gather"
 
     def _key(self):
-        return self.cfg, str(self.dtype), self.layer_loop
+        return self.cfg, str(self.dtype), self.layer_loop, self.gdn_state
 
     def __hash__(self):
         return hash(self._key())
@@ -405,8 +421,9 @@ def forward(
     ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset)
     h = top.embed(_flat(inputs, "tokens"))
     cfg = model.cfg
-    slots, states = _gather_states(cache, inputs, cfg)
-    kv = KVPages(cache.k_pages, cache.v_pages)
+    in_pool = model.gdn_state == "in_pool" and inputs.decode is not None
+    slots, states = _gather_states(cache, inputs, cfg, decode_ssm=not in_pool)
+    kv = KVPages(cache.k_pages, cache.v_pages, cache.ssm if in_pool else None)
 
     def body(carry, xs):
         h, kv = carry
@@ -419,9 +436,11 @@ def forward(
         (h, kv), states = _unstacked_loop(body, (h, kv), xs)
     else:
         (h, kv), states = _layer_loop(model.layer_loop, body, (h, kv), xs, cfg.num_groups)
+    ssm_pool, ssm_slots = (kv.ssm, _prefill_slots(inputs)) if in_pool else (cache.ssm, slots)
+    if ssm_slots is not None:
+        ssm_pool = ssm_pool.at[:, ssm_slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:]))
     cache = Cache(
-        k_pages=kv.k_pages, v_pages=kv.v_pages,
-        ssm=cache.ssm.at[:, slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:])),
+        k_pages=kv.k_pages, v_pages=kv.v_pages, ssm=ssm_pool,
         conv=cache.conv.at[:, slots].set(states.conv.reshape(cfg.num_linear_layers, *states.conv.shape[2:])),
     )  # fmt: skip
     return top.logits(h[_logit_rows(inputs, all_prefill_logits)]), cache
@@ -457,9 +476,14 @@ def _unstacked_loop(body, carry, xs):
     return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
 
 
-def _gather_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config) -> tuple[jax.Array, GdnState]:
-    """The step's rows of the GDN slot pools, [groups, linear_per_group, R, ...], read once per step (the
-    scan carries only these rows, never the whole pools); a row that starts a new sequence reads zeros."""
+def _prefill_slots(inputs: StepInputs) -> jax.Array | None:
+    return None if inputs.prefill is None else inputs.prefill.slots
+
+
+def _gather_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config, decode_ssm: bool = True):
+    """(slots, GdnState): the step's rows of the GDN slot pools, [groups, linear_per_group, R, ...], read once
+    per step (the loop carries only these rows, never the whole pools); a row that starts a new sequence
+    reads zeros. Without decode_ssm the recurrent states hold the prefill rows only (gdn_state "in_pool")."""
     slots, fresh = [], []
     if inputs.decode is not None:
         slots.append(inputs.decode.slots)
@@ -468,10 +492,11 @@ def _gather_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config) -> tuple
         slots.append(inputs.prefill.slots)
         fresh.append(inputs.prefill.fresh)
     slots, fresh = jnp.concatenate(slots), jnp.concatenate(fresh)
+    skip = 0 if decode_ssm else inputs.num_decode
 
-    def rows(pool):
-        x = pool[:, slots]
-        x = jnp.where(fresh.reshape(1, -1, *([1] * (x.ndim - 2))), jnp.zeros((), x.dtype), x)
+    def rows(pool, skip=0):
+        x = pool[:, slots[skip:]]
+        x = jnp.where(fresh[skip:].reshape(1, -1, *([1] * (x.ndim - 2))), jnp.zeros((), x.dtype), x)
         return x.reshape(cfg.num_groups, cfg.linear_per_group, *x.shape[1:])
 
-    return slots, GdnState(rows(cache.ssm), rows(cache.conv))
+    return slots, GdnState(rows(cache.ssm, skip), rows(cache.conv))

@@ -42,6 +42,9 @@ class EngineConfig:
     # over per-group weight arrays; on the H200 at 4B it removes a copy of each group's weights per scan
     # iteration (batch-1 TPOT 11.8 -> 9.1 ms) for 2-4x the compile time (docs/performance.md).
     layer_loop: str = "scan"
+    # gather | in_pool (ModelDef.gdn_state): where decode rows' GDN states are updated. No serve flag until
+    # the GPU A/B has been run (offline_bench --gdn-state).
+    gdn_state: str = "gather"
 
     def __post_init__(self):
         checks = [
@@ -55,6 +58,7 @@ class EngineConfig:
             (self.scheduler_policy in ("off", "auto"), f"--scheduler-policy must be off|auto, got {self.scheduler_policy!r}"),
             (self.decode_overlap in ("off", "stream"), f"--decode-overlap must be off|stream, got {self.decode_overlap!r}"),
             (self.layer_loop in LAYER_LOOPS, f"--layer-loop must be scan|unstacked, got {self.layer_loop!r}"),
+            (self.gdn_state in ("gather", "in_pool"), f"--gdn-state must be gather|in_pool, got {self.gdn_state!r}"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -115,6 +119,7 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
     """model: a qwen35_jax.api.LoadedModel (its params are unstacked in place for --layer-loop unstacked)."""
     enable_compile_cache(config.compile_cache)
     use_layer_loop(model, config.layer_loop)
+    model.model_def = dataclasses.replace(model.model_def, gdn_state=config.gdn_state)
     spec = cache_spec(model.config, model.dtype, config)
     log.info(
         "caches: %d KV pages of %d tokens (%.2f GiB), %d GDN slots (%.2f GiB)",

@@ -118,6 +118,7 @@ def build(args, model, batches: list[int], chunks: list[int], max_model_len: int
     config = EngineConfig(
         max_batch=batches[-1], max_prefill_tokens=chunks[-1], max_model_len=max_model_len,
         gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache, layer_loop=args.layer_loop,
+        gdn_state=args.gdn_state,
     )  # fmt: skip
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=tuple(batches), prefill_rows=(1,), chunk=tuple(chunks))
@@ -181,6 +182,12 @@ def main(argv=None) -> None:
         choices=("scan", "unrolled", "unstacked"),
         help="A/B of the layer loop (unstacked: per-group weight arrays, see model.unstack_groups)",
     )
+    parser.add_argument(
+        "--gdn-state",
+        default="gather",
+        choices=("gather", "in_pool"),
+        help="A/B: decode rows' GDN states gathered and scattered, or updated in the pool",
+    )
     parser.add_argument("--ready-only", action="store_true", help="build and compile, report times, exit")
     parser.add_argument("--max-batch-search", default=None,
                         help="e.g. 256,384,512,768: after the decode runs, the largest of these batches that fits "
@@ -198,7 +205,8 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     # Decode: the page table spans only context + generated tokens, as a server sized for it would.
     engine, compile_decode = build(args, model, batches, [args.context], args.context + batches[-1] + args.steps + 32)
-    result = {"model": args.model, "kernels": args.kernels, "layer_loop": args.layer_loop, "load_s": load_s,
+    result = {"model": args.model, "kernels": args.kernels, "layer_loop": args.layer_loop,
+              "gdn_state": args.gdn_state, "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)
     print("scratch bytes", {str(k): v for k, v in engine.runner.temp_bytes.items()}, flush=True)

@@ -768,3 +768,21 @@ def test_unstacked_layer_loop_serves_the_same_tokens(engines, engine):
             assert_same_greedy(got, want)
     finally:
         engines.release(unstacked)
+
+
+def test_in_pool_gdn_state_serves_the_same_tokens(engines, engine, monkeypatch):
+    """gdn_state "in_pool" through the engine, unified steps included (decode rows updated in the pool while
+    a prefill chunk's rows are gathered and scattered): the gather engine's greedy tokens, pools freed."""
+    from qwen35_jax.api import load_model
+
+    model = load_model("tiny", dtype="float32")
+    in_pool = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, gdn_state="in_pool")
+    try:
+        assert model.model_def.gdn_state == "in_pool"
+        spy = StepSpy(in_pool.runner, monkeypatch)
+        requests = [(prompt(n, seed=400 + n), greedy(m)) for n, m in [(5, 8), (70, 5), (40, 6)]]
+        for got, want in zip(generate(in_pool, requests), generate(engine, requests), strict=True):
+            assert_same_greedy(got, want)
+        assert any(b and p for b, p, _ in spy.keys), "no unified step ran"
+    finally:
+        engines.release(in_pool)

@@ -9,6 +9,8 @@ moves logits by more than 1e-2.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -17,13 +19,16 @@ from qwen35_jax.kernels import mixers
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 512, 90)]
 
 
-def test_pallas_set_matches_ref_in_the_model(tiny_model):
+@pytest.mark.parametrize("gdn_state", ["gather", "in_pool"])
+def test_pallas_set_matches_ref_in_the_model(tiny_model, gdn_state):
     ref = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    original = tiny_model.model_def
     tiny_model.kernels = mixers("pallas", interpret=True)
+    tiny_model.model_def = dataclasses.replace(original, gdn_state=gdn_state)
     try:
         ours = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
     finally:
-        tiny_model.kernels = mixers("ref")
+        tiny_model.kernels, tiny_model.model_def = mixers("ref"), original
     assert ours.shape == ref.shape == (len(PROMPT), tiny_model.config.vocab_size)
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 

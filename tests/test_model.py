@@ -46,3 +46,19 @@ def test_unstacked_loop_refuses_stacked_params(tiny_model):
             tiny_model.logits(PROMPT[:8])
     finally:
         tiny_model.model_def = original
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unstacked"])
+def test_in_pool_gdn_state_equals_gather(tiny_model, layer_loop):
+    """gdn_state "in_pool" (decode rows' recurrent states updated in the slot pool) computes what "gather"
+    does: chunked prefill, then decode steps, which is where the two differ. Same ops on the same values."""
+    gather = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    original_def, original_params = tiny_model.model_def, tiny_model.params
+    tiny_model.model_def = dataclasses.replace(original_def, layer_loop=layer_loop, gdn_state="in_pool")
+    if layer_loop == "unstacked":
+        tiny_model.params = unstack_groups(original_params)
+    try:
+        in_pool = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    finally:
+        tiny_model.model_def, tiny_model.params = original_def, original_params
+    np.testing.assert_allclose(in_pool, gather, atol=1e-6, rtol=0)
