@@ -457,12 +457,22 @@ def _layer_loop(kind: str, body, carry, xs, length: int):
     return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
 
 
-def unstack_groups(params) -> dict:
+def unstack_groups(params, delete_stacked: bool = False) -> dict:
     """params with "groups" as a tuple of per-group trees (one array per tensor and group), for the
-    "unstacked" layer loop. Materialises new arrays: the stacked ones can be dropped afterwards."""
+    "unstacked" layer loop. Materialises new arrays; with delete_stacked each stacked array is freed as
+    soon as it is split, so the peak is the weights plus one stacked tensor, not twice the weights (the
+    caller must hold no other use of them)."""
     groups = params["groups"]
-    count = jax.tree.leaves(groups)[0].shape[0]
-    return {**params, "groups": tuple(jax.tree.map(lambda x, i=i: x[i], groups) for i in range(count))}
+    leaves, treedef = jax.tree.flatten(groups)
+    count = leaves[0].shape[0]
+    split = []
+    for leaf in leaves:
+        split.append([leaf[i] for i in range(count)])
+        if delete_stacked:
+            jax.block_until_ready(split[-1])
+            leaf.delete()
+    per_group = tuple(jax.tree.unflatten(treedef, [parts[i] for parts in split]) for i in range(count))
+    return {**params, "groups": per_group}
 
 
 def _unstacked_loop(body, carry, xs):

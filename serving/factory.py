@@ -104,12 +104,12 @@ def cache_spec(cfg: Qwen35Config, dtype, config: EngineConfig, activation_reserv
 
 def use_layer_loop(model, layer_loop: str) -> None:
     """Switch a loaded model to a layer loop; "unstacked" splits the stacked group weights into one array
-    per group and frees the stacked ones (the weights are held twice while it runs)."""
+    per group, freeing each stacked tensor once split (the model's params are replaced)."""
     if model.model_def.layer_loop == layer_loop:
         return
     unstacked = isinstance(model.params["groups"], tuple)
     if layer_loop == "unstacked" and not unstacked:
-        model.params = unstack_groups(model.params)
+        model.params = unstack_groups(model.params, delete_stacked=True)
     elif layer_loop != "unstacked" and unstacked:
         raise ValueError(f"layer loop {layer_loop!r} needs the stacked weights; this model's were unstacked")
     model.model_def = dataclasses.replace(model.model_def, layer_loop=layer_loop)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -62,3 +63,16 @@ def test_in_pool_gdn_state_equals_gather(tiny_model, layer_loop):
     finally:
         tiny_model.model_def, tiny_model.params = original_def, original_params
     np.testing.assert_allclose(in_pool, gather, atol=1e-6, rtol=0)
+
+
+def test_unstack_groups_can_free_the_stacked_weights():
+    from qwen35_jax.api import load_model
+
+    model = load_model("tiny", dtype="float32")
+    stacked = jax.tree.leaves(model.params["groups"])
+    kept = unstack_groups(model.params)
+    assert not any(x.is_deleted() for x in stacked)
+    freed = unstack_groups(model.params, delete_stacked=True)
+    assert all(x.is_deleted() for x in stacked)
+    for a, b in zip(jax.tree.leaves(kept["groups"]), jax.tree.leaves(freed["groups"]), strict=True):
+        np.testing.assert_array_equal(a, b)
