@@ -161,10 +161,10 @@ class _Elapsed:
         self.bar.close()
 
 
-def _compile_progress(done, total: int):
+def _compile_progress(total: int):
     from tqdm import tqdm
 
-    return tqdm(done, total=total, desc="compiling step programs", unit="program", file=sys.stderr)
+    return tqdm(total=total, desc="compiling step programs", unit="program", file=sys.stderr)
 
 
 def run_serve(args) -> None:

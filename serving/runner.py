@@ -202,19 +202,28 @@ class Runner:
     def compile_all(self, progress=None, workers: int | None = None) -> float:
         """Compiles every bucket not compiled yet and returns the wall seconds it took. Tracing and lowering
         run here, one program after another (they hold the GIL); XLA's compiles, which release it, run in
-        `workers` threads at once, so start-up scales with the host's cores instead of the bucket count."""
+        `workers` threads at once, so start-up scales with the host's cores instead of the bucket count.
+        progress(total), if given, returns a bar (`update(n)`, `close()`) advanced as each compile ends,
+        from the start: lowering overlaps the compiles, so the bar moves while programs are still lowered."""
         start = time.perf_counter()
         keys = [key for key in self.buckets.keys() if key not in self.executables]
         workers = workers or min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="compile") as pool:
-            futures = []
-            for key in keys:
-                lower_start = time.perf_counter()
-                lowered = self._lower(key)
-                futures.append(pool.submit(self._compile_lowered, key, lowered, time.perf_counter() - lower_start))
-            done = as_completed(futures)
-            for future in done if progress is None else progress(done, len(futures)):
-                future.result()
+        bar = progress(len(keys)) if progress is not None else None
+        try:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="compile") as pool:
+                futures = []
+                for key in keys:
+                    lower_start = time.perf_counter()
+                    lowered = self._lower(key)
+                    future = pool.submit(self._compile_lowered, key, lowered, time.perf_counter() - lower_start)
+                    if bar is not None:
+                        future.add_done_callback(lambda _: bar.update(1))
+                    futures.append(future)
+                for future in as_completed(futures):
+                    future.result()
+        finally:
+            if bar is not None:
+                bar.close()
         return time.perf_counter() - start
 
     # ---- launch ------------------------------------------------------------------------------------------
