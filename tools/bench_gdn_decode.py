@@ -131,21 +131,11 @@ def fla_time(inputs, iters: int, repeats: int) -> float | None:
             use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
 
+    from torch_timing import capture, replay_seconds
+
     call()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            call()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best / iters
+    return replay_seconds(capture(call, iters), iters, repeats)
 
 
 RESULTS: list[dict] = []  # every printed row, for --json

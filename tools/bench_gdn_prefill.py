@@ -95,25 +95,14 @@ def fla_runner(inputs, ratio: int):
 
 def fla_graph_ms(run, iters: int, repeats: int) -> float | None:
     """Milliseconds a call of fla replayed from one CUDA graph of `iters` calls, or None if it cannot be captured."""
-    import torch
+    from torch_timing import capture, replay_seconds
 
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                run()
+        graph = capture(run, iters)
     except Exception as error:  # capture fails if fla syncs with the host inside (not expected without cu_seqlens)
         print(f"fla: no CUDA graph ({type(error).__name__}: {error}); host-loop time kept")
         return None
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / iters)
-    return best
+    return 1e3 * replay_seconds(graph, iters, repeats)
 
 
 def bench_case(args, rows: int, tokens: int) -> dict:
