@@ -109,9 +109,9 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state, lengths):
 # "parallel" (three pallas_calls, as flash-linear-attention does): the sequential pass keeps only what must be
 # sequential, and the output, Q K^T included (recomputed by every dv slice in "fused"), moves to a parallel pass:
 #   2. `_chunk_states_kernel`, grid (P, nv, dv / block_v): the same walk, but per chunk it only stores the chunk's start
-#      state S_c (fp32, [P, nv, n_chunks, dk, dv]: n_chunks * dk * dv * 4 bytes per row and value head, 64 KiB a chunk
-#      at dk = dv = 128) and V'_c (u's dtype and layout), then steps the state. Chunks past a row's length are skipped
-#      and their S_c and V'_c are left unwritten.
+#      state S_c ([P, nv, n_chunks, dk, dv] in the operand dtype: n_chunks * dk * dv * 2 bytes per row and value head
+#      in bf16, 32 KiB a chunk at dk = dv = 128; fp32 for fp32 inputs) and V'_c (u's dtype and layout), then steps
+#      the state. Chunks past a row's length are skipped and their S_c and V'_c are left unwritten.
 #   3. `_chunk_output_kernel`, grid (P, nv, n_chunks, dv / 64): O_c = (Q_c exp(gamma)) S_c + causal(Q_c K_c^T Gamma)
 #      V'_c for one chunk and dv slice; chunks past a row's length are written as zeros without reading S_c or V'_c.
 #   Both variants round the same operands the same way (V' and S enter their matmuls in the operand dtype either way).
@@ -280,7 +280,9 @@ def _chunk_states_kernel(
         start = pl.multiple_of(c * CHUNK, CHUNK)
         rows = pl.ds(start, CHUNK)
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
-        states_ref[c] = state  # S_c, the chunk's start state
+        # S_c, the chunk's start state, in the operand dtype: the output pass uses it only as a matmul operand
+        # (bf16 inputs: rounded to bf16 there anyway), so bf16 storage halves this traffic and changes nothing.
+        states_ref[c] = state.astype(states_ref.dtype)
         k = _normalised_k(k_ref, rows, valid, w_ref.dtype)
         gamma = gamma_ref[rows]
         gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma
@@ -377,8 +379,8 @@ def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int,
 
 
 def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, int], exact: bool, interpret: bool):
-    """The sequential pass, state only; returns each chunk's start state [P, nv, n, dk, dv] (fp32), V' [P, nv, T, dv]
-    (in u's dtype) and the new state [P, nv, dk, dv]."""
+    """The sequential pass, state only; returns each chunk's start state [P, nv, n, dk, dv] and V' [P, nv, T, dv]
+    (both in u's dtype: the matmul operand dtype) and the new state [P, nv, dk, dv] (fp32)."""
     num_rows, num_heads, seq, dv = u.shape
     dk = k.shape[-1]
     ratio = num_heads // k.shape[2]
@@ -401,7 +403,7 @@ def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, int], exact
             state_spec,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((num_rows, num_heads, seq // CHUNK, dk, dv), jnp.float32),
+            jax.ShapeDtypeStruct((num_rows, num_heads, seq // CHUNK, dk, dv), u.dtype),
             jax.ShapeDtypeStruct(u.shape, u.dtype),
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
@@ -469,7 +471,7 @@ def gdn_chunked_prefill_pallas(
 
     output_pass: "fused" computes the output inside the sequential pass (two pallas_calls); "parallel" has the
     sequential pass store each chunk's start state and V' and computes the output in a third, fully parallel
-    pallas_call (n_chunks * dk * dv * 4 bytes of states per row and value head in between).
+    pallas_call (n_chunks * dk * dv states per row and value head in between, in the operand dtype).
     block_v / num_warps tile the sequential pass (dv slice per program, warps per program); None picks defaults.
 
     The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.

@@ -41,9 +41,10 @@ def minimal_bytes(rows: int, tokens: int, nk: int, nv: int, dk: int, dv: int, it
     return rows * tokens * per_token + 2 * rows * nv * dk * dv * 4
 
 
-def chunk_states_bytes(rows: int, tokens: int, nv: int, dk: int, dv: int) -> float:
-    """The fp32 start state of every chunk that output_pass="parallel" stores between its two last passes."""
-    return rows * nv * -(-tokens // CHUNK) * dk * dv * 4
+def chunk_states_bytes(rows: int, tokens: int, nv: int, dk: int, dv: int, itemsize: int) -> float:
+    """The start state of every chunk that output_pass="parallel" stores between its two last passes (in the
+    matmul operand dtype: the inputs' itemsize)."""
+    return rows * nv * -(-tokens // CHUNK) * dk * dv * itemsize
 
 
 def time_calls(fn, args, iters: int, repeats: int, sync) -> float:
@@ -127,8 +128,12 @@ def bench_case(args, rows: int, tokens: int) -> dict:
         seconds = timing(kernel, inputs)
         out, _ = kernel(*inputs)
         error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - out_ref.astype(jnp.float32))))
-        # "parallel" writes each chunk's fp32 start state and reads it back: HBM traffic beyond the minimal bytes
-        states = chunk_states_bytes(rows, tokens, args.nv, args.dk, args.dv) if output_pass == "parallel" else 0
+        # "parallel" writes each chunk's start state and reads it back: HBM traffic beyond the minimal bytes
+        states = (
+            chunk_states_bytes(rows, tokens, args.nv, args.dk, args.dv, dtype.itemsize)
+            if output_pass == "parallel"
+            else 0
+        )
         result[f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"] = {
             "output_pass": output_pass,
             "ms": 1e3 * seconds,
