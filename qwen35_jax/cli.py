@@ -20,8 +20,8 @@ class FlagError(ValueError):
     """A bad flag value or combination; the message names the flags."""
 
 
-def _model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="preset (tiny, 0.8b, 4b, 9b, 27b) or model folder")
+def numerics_flags(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --kernels, as every command that loads a model takes them (resolve with `resolve_kernels`)."""
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument(
         "--kernels",
@@ -29,6 +29,20 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
         choices=KERNEL_SETS,
         help="token-mixer kernel set (default: pallas on a GPU, ref elsewhere)",
     )
+
+
+def resolve_kernels(args) -> None:
+    """args.kernels: the platform's default when not given; FlagError unless it runs here."""
+    try:
+        args.kernels = args.kernels or default_kernels()
+        check_selectable(args.kernels)
+    except ValueError as err:
+        raise FlagError(str(err)) from err
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="preset (tiny, 0.8b, 4b, 9b, 27b) or model folder")
+    numerics_flags(parser)
 
 
 def _generate_parser(sub) -> None:
@@ -84,11 +98,7 @@ def validate_generate(args) -> None:
         raise FlagError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         raise FlagError(f"--top-k must be >= 0, got {args.top_k}")
-    try:
-        args.kernels = args.kernels or default_kernels()
-        check_selectable(args.kernels)
-    except ValueError as err:
-        raise FlagError(str(err)) from err
+    resolve_kernels(args)
 
 
 def run_generate(args) -> None:

@@ -13,9 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from qwen35_jax.api import DTYPES, default_kernels
-from qwen35_jax.cli import FlagError
-from qwen35_jax.kernels import KERNEL_SETS, check_selectable
+from qwen35_jax.cli import FlagError, numerics_flags, resolve_kernels
 
 
 def add_serving_parsers(subparsers) -> None:
@@ -46,13 +44,7 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model as given)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument(
-        "--kernels",
-        default=None,
-        choices=KERNEL_SETS,
-        help="token-mixer kernel set (default: pallas on a GPU, ref elsewhere)",
-    )
+    numerics_flags(p)
     p.add_argument("--max-batch", type=int, default=defaults.max_batch, help="most requests running at once")
     p.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
                    help="prompt tokens prefilled per step at most")  # fmt: skip
@@ -114,11 +106,7 @@ def model_config(model: str):
 
 def validate_serve(args):
     """Every check that needs no weights; returns (EngineConfig, model config)."""
-    try:
-        args.kernels = args.kernels or default_kernels()
-        check_selectable(args.kernels)
-    except ValueError as err:
-        raise FlagError(str(err)) from err
+    resolve_kernels(args)
     if not 0 <= args.port <= 65535:
         raise FlagError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:
