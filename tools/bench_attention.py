@@ -24,9 +24,9 @@ import functools
 import itertools
 import json
 import sys
-import time
 
 import numpy as np
+from jax_timing import best_seconds
 
 from qwen35_jax.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S
 
@@ -73,12 +73,7 @@ def seconds_per_call(op, args, layers: int, repeats: int, trials: int) -> float:
     compiled = jax.jit(program)
     for _ in range(2):  # the first call in a process can change JAX's tracing context and retrace once
         jax.block_until_ready(compiled(*args))
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        best = min(best, time.perf_counter() - start)
-    return best / repeats
+    return best_seconds(lambda: jax.block_until_ready(compiled(*args)), trials) / repeats
 
 
 def decode_work(lengths, heads, kv_heads, dim, page_size, itemsize) -> tuple[float, float]:

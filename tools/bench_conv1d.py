@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+
+from jax_timing import chained_seconds
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
 
@@ -29,25 +30,9 @@ PREFILL_SWEEP = [
 
 def device_time(step, args: tuple, iters: int, repeats: int) -> float:
     """Seconds a call of step(*args) -> (y, conv_state), chained `iters` times with the state fed back."""
-    import jax
-
     *head, state = args[:3]
     tail = args[3:]
-
-    @jax.jit
-    def chain(state):
-        def body(_, carry):
-            return step(*head, carry[1], *tail)
-
-        return jax.lax.fori_loop(0, iters, body, (head[0], state))
-
-    jax.block_until_ready(chain(state))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(chain(state))
-        best = min(best, time.perf_counter() - start)
-    return best / iters
+    return chained_seconds(lambda _, conv: step(*head, conv, *tail), head[0], state, iters, repeats)[0]
 
 
 RESULTS: list[dict] = []  # every printed row, for --json

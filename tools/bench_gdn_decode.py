@@ -29,7 +29,8 @@ import functools
 import json
 import os
 import sys
-import time
+
+from jax_timing import chained_seconds
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
 
@@ -64,48 +65,20 @@ def traffic(q, v, state) -> tuple[int, int]:
 
 def device_time(step, inputs, iters: int, repeats: int) -> float:
     """Seconds a call of step(q, k, v, g, beta, state) -> (o, state), chained `iters` times in one program."""
-    import jax
-
     q, k, v, g, beta, state = inputs
-
-    @jax.jit
-    def chain(state):
-        def body(_, carry):
-            return step(q, k, v, g, beta, carry[1])
-
-        return jax.lax.fori_loop(0, iters, body, (v, state))
-
-    jax.block_until_ready(chain(state))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(chain(state))
-        best = min(best, time.perf_counter() - start)
-    return best / iters
+    return chained_seconds(lambda _, s: step(q, k, v, g, beta, s), v, state, iters, repeats)[0]
 
 
 def pool_device_time(step, inputs, pool, slots, iters: int, repeats: int):
     """(seconds a call of step(q, k, v, g, beta, pool, layer, slots) -> (o, pool), pool): `iters` calls chained
     through the donated pool in one program, call i at layer i % layers; returns the pool for the next run."""
-    import jax
-
     q, k, v, g, beta, _ = inputs
     layers = pool.shape[0]
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def chain(pool):
-        def body(i, carry):
-            return step(q, k, v, g, beta, carry[1], i % layers, slots)
+    def call(i, pool):
+        return step(q, k, v, g, beta, pool, i % layers, slots)
 
-        return jax.lax.fori_loop(0, iters, body, (v, pool))
-
-    _, pool = jax.block_until_ready(chain(pool))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _, pool = jax.block_until_ready(chain(pool))
-        best = min(best, time.perf_counter() - start)
-    return best / iters, pool
+    return chained_seconds(call, v, pool, iters, repeats, donate=True)
 
 
 def fla_time(inputs, iters: int, repeats: int) -> float | None:

@@ -19,7 +19,8 @@ import argparse
 import functools
 import itertools
 import json
-import time
+
+from jax_timing import best_seconds
 
 from qwen35_jax.roofline import BF16_FLOPS_PER_S as PEAK_FLOPS
 from qwen35_jax.roofline import HBM_BYTES_PER_S as PEAK_BYTES
@@ -50,14 +51,13 @@ def chunk_states_bytes(rows: int, tokens: int, nv: int, dk: int, dv: int, itemsi
 def time_calls(fn, args, iters: int, repeats: int, sync) -> float:
     """Seconds per call: `iters` calls back to back (dispatch overlaps the device), best of `repeats`."""
     sync(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+
+    def run():
         for _ in range(iters):
             out = fn(*args)
         sync(out)
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
+
+    return best_seconds(run, repeats) / iters
 
 
 def make_inputs(rows, tokens, nk, nv, dk, dv, dtype):

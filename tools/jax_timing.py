@@ -1,0 +1,36 @@
+"""Device time of JAX work for the kernel benchmarks: best-of timing, and a step chained through its state inside
+one jitted loop, as serving carries a state from step to step, so that host dispatch is not counted."""
+
+from __future__ import annotations
+
+import time
+
+
+def best_seconds(run, repeats: int) -> float:
+    """The shortest wall time of `repeats` calls of run() (run must block until its work is done)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def chained_seconds(step, first_out, state, iters: int, repeats: int, donate: bool = False):
+    """(seconds per call, state): step(i, state) -> (out, state) called `iters` times in one jitted fori_loop,
+    each call on the previous call's state; best of `repeats` runs after one warm-up. With donate the state
+    buffer is donated and each run starts from the last run's state (returned for the next caller)."""
+    import functools
+
+    import jax
+
+    @functools.partial(jax.jit, donate_argnums=0 if donate else ())
+    def chain(state):
+        return jax.lax.fori_loop(0, iters, lambda i, carry: step(i, carry[1]), (first_out, state))
+
+    result = [jax.block_until_ready(chain(state))]
+
+    def run():
+        result[0] = jax.block_until_ready(chain(result[0][1] if donate else state))
+
+    return best_seconds(run, repeats) / iters, result[0][1]
