@@ -194,8 +194,8 @@ class GatedDeltaNet(nnx.Module):
                 convs.append(conv_s)
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv, dv]
         out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)
-        ssms = [x for x in ssms if x is not None]
-        ssm = (jnp.concatenate(ssms) if len(ssms) > 1 else ssms[0]) if ssms else state.ssm  # in_pool, no prefill
+        ssms = [x for x in ssms if x is not None]  # "in_pool": the decode side returns no state
+        ssm = jnp.concatenate(ssms) if ssms else state.ssm  # "in_pool" with no prefill rows: state.ssm is empty
         return self.out_proj(out), GdnState(ssm, jnp.concatenate(convs)), pools
 
 
@@ -432,10 +432,7 @@ def forward(
         return (h, kv), group_states
 
     xs = (params["groups"], jnp.arange(cfg.num_groups, dtype=jnp.int32), states)
-    if model.layer_loop == "unstacked":
-        (h, kv), states = _unstacked_loop(body, (h, kv), xs)
-    else:
-        (h, kv), states = _layer_loop(model.layer_loop, body, (h, kv), xs, cfg.num_groups)
+    (h, kv), states = _layer_loop(model.layer_loop, body, (h, kv), xs, cfg.num_groups)
     ssm_pool, ssm_slots = (kv.ssm, _prefill_slots(inputs)) if in_pool else (cache.ssm, slots)
     if ssm_slots is not None:
         ssm_pool = ssm_pool.at[:, ssm_slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:]))
@@ -447,14 +444,25 @@ def forward(
 
 
 def _layer_loop(kind: str, body, carry, xs, length: int):
+    """xs = (group params, group indices, states), each stacked on a leading [groups] axis, except the params
+    of "unstacked", which are a tuple of per-group trees (`unstack_groups`)."""
     if kind == "scan":
         return lax.scan(body, carry, xs)
-    assert kind == "unrolled", kind
+    assert kind in ("unrolled", "unstacked"), kind
+    group_params, *rest = xs
+    if kind == "unstacked" and not isinstance(group_params, tuple):
+        raise TypeError('layer_loop "unstacked" needs params from unstack_groups(params)')
     outs = []
     for index in range(length):
-        carry, out = body(carry, jax.tree.map(lambda x, index=index: x[index], xs))
+        params = group_params[index] if kind == "unstacked" else _at(group_params, index)
+        carry, out = body(carry, (params, *_at(tuple(rest), index)))
         outs.append(out)
     return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
+
+
+def _at(tree, index: int):
+    """Entry `index` of every array of a tree stacked on its leading axis (a static slice)."""
+    return jax.tree.map(lambda x: x[index], tree)
 
 
 def unstack_groups(params, delete_stacked: bool = False) -> dict:
@@ -473,17 +481,6 @@ def unstack_groups(params, delete_stacked: bool = False) -> dict:
             leaf.delete()
     per_group = tuple(jax.tree.unflatten(treedef, [parts[i] for parts in split]) for i in range(count))
     return {**params, "groups": per_group}
-
-
-def _unstacked_loop(body, carry, xs):
-    group_params, indices, states = xs
-    if not isinstance(group_params, tuple):
-        raise TypeError('layer_loop "unstacked" needs params from unstack_groups(params)')
-    outs = []
-    for index, params in enumerate(group_params):
-        carry, out = body(carry, (params, indices[index], jax.tree.map(lambda x, i=index: x[i], states)))
-        outs.append(out)
-    return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
 
 
 def _prefill_slots(inputs: StepInputs) -> jax.Array | None:
