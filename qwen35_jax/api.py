@@ -56,7 +56,7 @@ class LoadedModel:
         self.params = params
         self.dtype = dtype
         self.tokenizer = tokenizer
-        self.kernels, self.kernels_name = mixers(kernels), kernels
+        self.kernels = mixers(kernels)
         self.page_size = page_size
         self.model_def, _ = abstract_model(cfg, dtype)
 

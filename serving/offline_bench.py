@@ -198,7 +198,7 @@ def main(argv=None) -> None:
 
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, kernels=args.kernels)
-    args.kernels = model.kernels_name
+    args.kernels = model.kernels.name
     load_s = time.perf_counter() - start
     batches = sorted(int(b) for b in args.batches.split(","))
     chunks = sorted(int(t) for t in args.prefill.split(","))

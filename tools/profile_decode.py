@@ -115,7 +115,7 @@ def main() -> None:
     wall = (time.perf_counter() - start) / args.steps
     jax.profiler.stop_trace()
     hlo = engine.runner.executables[(args.batch, 0, 0)].as_text()
-    report = {"batch": args.batch, "kernels": model.kernels_name, "layer_loop": args.layer_loop,
+    report = {"batch": args.batch, "kernels": model.kernels.name, "layer_loop": args.layer_loop,
               "wall_ms_per_step": wall * 1e3, **summarise(args.trace_dir, args.steps),
               "decode_program_hlo": hlo_summary(hlo),
               "decode_program_scratch_bytes": engine.runner.temp_bytes[(args.batch, 0, 0)]}  # fmt: skip
