@@ -96,10 +96,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_s
     o_ref[...] = o.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_dv", "num_warps", "interpret"))
-def gdn_decode_blocked(q, k, v, g, beta, state, *, block_dv: int, num_warps: int, interpret: bool = False):
-    """`gdn_decode_pallas` with explicit tiling (the benchmark sweeps it)."""
-    batch, num_value_heads, dk, dv = state.shape
+def _tiling(q, v, block_dv: int):
+    """(block_dv, grid (B, nv, dv / block_dv), (key, value, per-head) BlockSpecs) of both decode kernels."""
+    batch, num_value_heads, dv = v.shape
+    dk = q.shape[-1]
     ratio = num_value_heads // q.shape[1]
     block_dv = min(block_dv, dv)
     assert dk & (dk - 1) == 0, f"dk={dk}: Triton loads need a power of two"
@@ -107,10 +107,17 @@ def gdn_decode_blocked(q, k, v, g, beta, state, *, block_dv: int, num_warps: int
     key_spec = pl.BlockSpec((None, None, dk), lambda b, h, j: (b, h // ratio, 0))
     value_spec = pl.BlockSpec((None, None, block_dv), lambda b, h, j: (b, h, j))
     head_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, h))
-    state_spec = pl.BlockSpec((None, None, dk, block_dv), lambda b, h, j: (b, h, 0, j))
+    return block_dv, (batch, num_value_heads, dv // block_dv), (key_spec, value_spec, head_spec)
+
+
+@functools.partial(jax.jit, static_argnames=("block_dv", "num_warps", "interpret"))
+def gdn_decode_blocked(q, k, v, g, beta, state, *, block_dv: int, num_warps: int, interpret: bool = False):
+    """`gdn_decode_pallas` with explicit tiling (the benchmark sweeps it)."""
+    block_dv, grid, (key_spec, value_spec, head_spec) = _tiling(q, v, block_dv)
+    state_spec = pl.BlockSpec((None, None, q.shape[-1], block_dv), lambda b, h, j: (b, h, 0, j))
     return pl.pallas_call(
         _decode_kernel,
-        grid=(batch, num_value_heads, dv // block_dv),
+        grid=grid,
         in_specs=[key_spec, key_spec, value_spec, head_spec, head_spec, state_spec],
         out_specs=[value_spec, state_spec],
         out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32)],
@@ -150,21 +157,14 @@ def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, *, interpret=Fa
     the trash-slot rule). block_dv and num_warps tile it as in `gdn_decode_blocked` (None: BLOCK_DV,
     NUM_WARPS). Not jitted, and lax primitives only around the pallas_call, like the attention wrappers: the
     model may call it inside stream-annotated regions, where a nested jit fails."""
-    block_dv, num_warps = block_dv or BLOCK_DV, num_warps or NUM_WARPS
-    batch, num_value_heads, dv = v.shape
-    dk = q.shape[-1]
-    ratio = num_value_heads // q.shape[1]
-    block_dv = min(block_dv, dv)
-    assert pool.dtype == jnp.float32 and pool.shape[2:] == (num_value_heads, dk, dv), (pool.shape, pool.dtype)
-    assert dk & (dk - 1) == 0, f"dk={dk}: Triton loads need a power of two"
-    assert block_dv & (block_dv - 1) == 0 and dv % block_dv == 0, f"dv={dv} is not a multiple of {block_dv=}"
-    key_spec = pl.BlockSpec((None, None, dk), lambda b, h, j: (b, h // ratio, 0))
-    value_spec = pl.BlockSpec((None, None, block_dv), lambda b, h, j: (b, h, j))
-    head_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, h))
+    num_warps = num_warps or NUM_WARPS
+    _, num_value_heads, dv = v.shape
+    assert pool.dtype == jnp.float32 and pool.shape[2:] == (num_value_heads, q.shape[-1], dv), (pool.shape, pool.dtype)
+    _, grid, (key_spec, value_spec, head_spec) = _tiling(q, v, block_dv or BLOCK_DV)
     whole = pl.BlockSpec(memory_space=pl.ANY)  # no blocking: the kernel computes its pool tile from slots
     return pl.pallas_call(
         _pool_decode_kernel,
-        grid=(batch, num_value_heads, dv // block_dv),
+        grid=grid,
         in_specs=[whole, whole, key_spec, key_spec, value_spec, head_spec, head_spec, whole],
         out_specs=[value_spec, whole],
         out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(pool.shape, jnp.float32)],
