@@ -346,26 +346,30 @@ def _wy_prep(k, v, g, beta, lengths, exact: bool, interpret: bool):
     )(lengths, k, v, g, beta)
 
 
+def _walk_specs(seq: int, dk: int, block_v: int, ratio: int) -> tuple:
+    """BlockSpecs of the sequential passes' grid (row, value head, dv slice): lengths; a key head's rows [T, dk]
+    (q, k); w [T, dk]; u-shaped [T, block_v]; gamma [T]; the state slice [dk, block_v]."""
+    return (
+        pl.BlockSpec((None,), lambda p, h, j: (p,)),
+        pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, h // ratio, 0)),
+        pl.BlockSpec((None, None, seq, dk), lambda p, h, j: (p, h, 0, 0)),
+        pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j)),
+        pl.BlockSpec((None, None, seq), lambda p, h, j: (p, h, 0)),
+        pl.BlockSpec((None, None, dk, block_v), lambda p, h, j: (p, h, 0, j)),
+    )
+
+
 def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int, int], exact: bool, interpret: bool):
     """The sequential pass over chunks; returns o [P, T, nv, dv] and the new state [P, nv, dk, dv]."""
     num_rows, num_heads, seq, dv = u.shape
     dk = q.shape[-1]
     ratio = num_heads // q.shape[2]
     block_v, num_warps = tiling
-    row_major = pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, h // ratio, 0))
-    state_spec = pl.BlockSpec((None, None, dk, block_v), lambda p, h, j: (p, h, 0, j))
+    lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec = _walk_specs(seq, dk, block_v, ratio)
     return pl.pallas_call(
         functools.partial(_state_pass_kernel, exact=exact, scale=dk**-0.5),
         grid=(num_rows, num_heads, dv // block_v),
-        in_specs=[
-            pl.BlockSpec((None,), lambda p, h, j: (p,)),
-            row_major,
-            row_major,
-            pl.BlockSpec((None, None, seq, dk), lambda p, h, j: (p, h, 0, 0)),
-            pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j)),
-            pl.BlockSpec((None, None, seq), lambda p, h, j: (p, h, 0)),
-            state_spec,
-        ],
+        in_specs=[lengths_spec, row_major, row_major, w_spec, u_spec, gamma_spec, state_spec],
         out_specs=[pl.BlockSpec((None, seq, None, block_v), lambda p, h, j: (p, 0, h, j)), state_spec],
         out_shape=[
             jax.ShapeDtypeStruct((num_rows, seq, num_heads, dv), out_dtype),
@@ -385,21 +389,14 @@ def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, int], exact
     dk = k.shape[-1]
     ratio = num_heads // k.shape[2]
     block_v, num_warps = tiling
-    state_spec = pl.BlockSpec((None, None, dk, block_v), lambda p, h, j: (p, h, 0, j))
+    lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec = _walk_specs(seq, dk, block_v, ratio)
     return pl.pallas_call(
         functools.partial(_chunk_states_kernel, exact=exact),
         grid=(num_rows, num_heads, dv // block_v),
-        in_specs=[
-            pl.BlockSpec((None,), lambda p, h, j: (p,)),
-            pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, h // ratio, 0)),
-            pl.BlockSpec((None, None, seq, dk), lambda p, h, j: (p, h, 0, 0)),
-            pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j)),
-            pl.BlockSpec((None, None, seq), lambda p, h, j: (p, h, 0)),
-            state_spec,
-        ],
+        in_specs=[lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec],
         out_specs=[
             pl.BlockSpec((None, None, seq // CHUNK, dk, block_v), lambda p, h, j: (p, h, 0, 0, j)),
-            pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j)),
+            u_spec,  # V', laid out as u
             state_spec,
         ],
         out_shape=[
