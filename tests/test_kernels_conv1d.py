@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _lowering import lower_for_h200
 
 from qwen35_jax.kernels.conv1d import (
     causal_conv1d_prefill_pallas,
@@ -136,15 +137,6 @@ def test_chunked_ragged_prefill_equals_one_prefill(dtype):
     assert_state_equal(conv, ref_state)
 
 
-def lower_for_h200(fn, *args) -> str:
-    """StableHLO of `fn` lowered for an abstract H200: runs the Pallas Triton lowering with no GPU present."""
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-
-    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_lowers_to_triton_for_h200():
     """4B shapes (C = 8192, K = 4) through the Triton lowering: tensor sizes are powers of two, every
@@ -153,14 +145,14 @@ def test_lowers_to_triton_for_h200():
     weight = spec((8192, TAPS), jnp.bfloat16)
     update = lower_for_h200(
         causal_conv1d_update_pallas, spec((256, 8192), jnp.bfloat16), weight, spec((256, 3, 8192), jnp.bfloat16)
-    )
+    ).as_text()
     prefill = lower_for_h200(
         causal_conv1d_prefill_pallas,
         spec((4, 512, 8192), jnp.bfloat16),
         weight,
         spec((4, 3, 8192), jnp.bfloat16),
         spec((4,), jnp.int32),
-    )
+    ).as_text()
     assert re.findall(r"grid_[xyz] = (\d+)", update) == ["256", "16", "1"]
     assert re.findall(r"grid_[xyz] = (\d+)", prefill) == ["4", "32", "32"]
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _lowering import lower_for_h200
 
 from qwen35_jax.kernels.gdn_decode import (
     BLOCK_DV,
@@ -123,11 +124,7 @@ def test_state_aliased_in_place():
 def test_lowers_to_triton_for_h200():
     """The Triton lowering runs on the CPU for an abstract H200: it rejects what Triton cannot take (tensor sizes
     that are not powers of two, unsupported primitives). Checks the aliasing and the (B, nv, dv/BLOCK_DV) grid too."""
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-
-    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-        text = jax.jit(gdn_decode_pallas).trace(*h200_inputs()).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_h200(gdn_decode_pallas, *h200_inputs()).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert "output_operand_alias<output_tuple_indices = [1], operand_index = 5" in text
     assert re.findall(r"grid_[xyz] = (\d+)", text) == ["4", "32", str(128 // BLOCK_DV)]
@@ -279,14 +276,10 @@ def test_pool_lowers_to_triton_for_h200(num_slots, offset_bits):
     the pool pointer, and layer and slot are multiplied by their strides (num_slots * 32 * 128 * 128 and
     32 * 128 * 128 elements) in i64. The 250 MB pool is the control that shows the check tells them apart: there
     the lowering keeps int32 offsets. Checks the pool alias (operand 7 -> result 1) and the grid too."""
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-
     batch, nv, dk, dv = 64, 32, 128, 128
     args = [*h200_inputs(batch=batch)[:5], jax.ShapeDtypeStruct((24, num_slots, nv, dk, dv), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32)]  # fmt: skip
-    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-        lowered = jax.jit(gdn_decode_pool_pallas).trace(*args).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_h200(gdn_decode_pool_pallas, *args)
     text = lowered.as_text()
     assert "output_operand_alias<output_tuple_indices = [1], operand_index = 7" in text
     assert re.findall(r"grid_[xyz] = (\d+)", text) == [str(batch), str(nv), str(dv // BLOCK_DV)]

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _lowering import lower_for_h200
 
 from qwen35_jax.kernels.gdn_decode import gdn_decode_ref
 from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
@@ -156,18 +157,15 @@ def test_state_carries_across_calls(output_pass):
 def test_lowers_to_triton_for_h200(dtype, block_v, output_pass, num_calls):
     """Without a GPU: every kernel lowers to Triton IR for an abstract H200 at 4B shapes (what interpret mode cannot
     check: every primitive has a Triton lowering, every loaded or stored tile is a power of two)."""
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-
     rows, seq, dtype = 2, 80, jnp.dtype(dtype)
     shapes = [(rows, seq, 16, 128), (rows, seq, 16, 128), (rows, seq, 32, 128), (rows, seq, 32), (rows, seq, 32)]
     dtypes = [dtype, dtype, dtype, jnp.float32, dtype]
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(shapes, dtypes, strict=True)]
     args += [jax.ShapeDtypeStruct((rows, 32, 128, 128), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32)]
-    h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))
     kernel = functools.partial(gdn_chunked_prefill_pallas, block_v=block_v, output_pass=output_pass)
-    with use_abstract_mesh(h200), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's deprecation notice
-        module = jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        module = lower_for_h200(kernel, *args).as_text()
     assert module.count("__gpu$xla.gpu.triton") == num_calls
 
 
