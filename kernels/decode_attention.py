@@ -14,8 +14,8 @@ Returns o [B, H, D] in q's dtype.
 `paged_decode_attention_pallas` is the Pallas GPU kernel (Triton lowering; `interpret=True` runs it on the
 CPU): grid, split-K and numerics are in the notes above it. The helpers after those notes (the paged
 K/V gather and the online-softmax step) are shared with the prefill kernel. Its defaults (DECODE_TUNING:
-bf16 block_k 64, 4 warps, 2 stages) compiled for sm_90a at 4B shapes without register spills (Triton 3.6 +
-ptxas, offline); they are not tuned on a GPU yet (`tools/bench_attention.py --sweep` times the grid).
+bf16 block_k 32, 4 warps, 3 stages) are the fastest of the tuning grid on the H200 at 4B shapes
+(`tools/bench_attention.py --sweep` times the grid).
 """
 
 from __future__ import annotations
@@ -173,19 +173,26 @@ def decode_splits(batch: int, kv_heads: int, max_tokens: int, block_k: int, num_
     return max(1, min(wanted, 16, pl.cdiv(max_tokens, block_k)))
 
 
-# Default (block_k, num_warps) by itemsize: the largest that compiled for sm_90a at head_dim 256 without
-# register spills (Triton 3.6 + ptxas, offline). fp32 dots are FMA loops over twice the bytes: half the block.
-DECODE_TUNING = {2: (64, 4), 4: (32, 8)}
+# Default (block_k, num_warps, num_stages) by itemsize. bf16: the fastest of the 12-point sweep on the H200 at
+# batch 64, 4B heads, at both context 1024 (89.5 us, 70.0% of the memory roofline; (64, 4, 2) took 98.2 us)
+# and 4096 (274 us, 91.2%; 300 us) (`tools/bench_attention.py --kernel decode --sweep`, docs/kernels.md).
+# fp32: the largest that compiled without register spills (offline); fp32 dots are FMA loops over twice the
+# bytes, so half the block.
+DECODE_TUNING = {2: (32, 4, 3), 4: (32, 8, 2)}
 
 
 def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, lengths, *, interpret=False,
                                   block_k: int | None = None, num_splits: int | None = None,
-                                  num_warps: int | None = None, num_stages: int = 2):  # fmt: skip
+                                  num_warps: int | None = None, num_stages: int | None = None):  # fmt: skip
     """Pallas version of `paged_decode_attention_ref` (same arguments and result); see the notes above.
     block_k (tokens per key block), num_splits (None: `decode_splits`), num_warps and num_stages tune it;
     None takes DECODE_TUNING's value for q's dtype."""
-    default_block_k, default_warps = DECODE_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
-    block_k, num_warps = block_k or default_block_k, num_warps or default_warps
+    default_block_k, default_warps, default_stages = DECODE_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
+    block_k, num_warps, num_stages = (
+        block_k or default_block_k,
+        num_warps or default_warps,
+        num_stages or default_stages,
+    )
     batch, heads, dim = q.shape
     kv_heads, page_size = k_pages.shape[3], k_pages.shape[2]
     group = heads // kv_heads

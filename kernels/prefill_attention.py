@@ -12,9 +12,8 @@ Layouts:
 Returns o [P, T, H, D] in q's dtype.
 
 `paged_prefill_attention_pallas` is the Pallas GPU kernel (Triton lowering; `interpret=True` runs it on the
-CPU): the grid, tiling and numerics are in the notes above it. Its defaults (PREFILL_TUNING: bf16 64 tile
-rows, block_k 32, 8 warps, 2 stages) are the largest tiles that compiled without register spills for
-sm_90a at 4B shapes (Triton 3.6 + ptxas, offline); they are not tuned on a GPU yet
+CPU): the grid, tiling and numerics are in the notes above it. Its defaults (PREFILL_TUNING: bf16 128 tile
+rows, block_k 64, 8 warps, 2 stages) are the fastest of the tuning grid on the H200 at 4B shapes
 (`tools/bench_attention.py --sweep` times the grid).
 
 tokamax (openxla/tokamax 0.0.17, the newest on PyPI, read from its wheel): a pure-Python wheel needing
@@ -119,9 +118,12 @@ def _prefill_kernel(layer_ref, start_ref, lengths_ref, page_table_ref, q_ref, k_
     o_ref[...] = normalise(o, l).reshape(block_q, group, dim).astype(o_ref.dtype)
 
 
-# Default (tile rows, block_k) by itemsize, with 8 warps and 2 stages: the largest tiles that compiled for
-# sm_90a at head_dim 256 without register spills (Triton 3.6 + ptxas, offline); fp32 takes half of each.
-PREFILL_TUNING = {2: (64, 32), 4: (32, 16)}
+# Default (tile rows, block_k) by itemsize, with 8 warps and 2 stages. bf16: the fastest of the 16-point sweep
+# (tile rows 64/128 x block_k 32/64 x 4/8 warps x 2/3 stages) on the H200 at a 8192-token chunk, 4B heads:
+# 1.69 ms, 41.3% of the bf16 roofline, against 4.00 ms (17.4%) for the session-2 default (64, 32)
+# (`tools/bench_attention.py --kernel prefill --chunk 8192 --prefix 0 --sweep`, docs/kernels.md).
+# fp32: the largest tiles that compiled without register spills (offline), not tuned on a GPU.
+PREFILL_TUNING = {2: (128, 64), 4: (32, 16)}
 
 
 def paged_prefill_attention_pallas(q, k_pages, v_pages, layer, page_table, start, lengths, *, interpret=False,

@@ -5,6 +5,7 @@ reference, each next to its roofline (decode: bytes moved / 4.3 TB/s; prefill: F
     python tools/bench_attention.py --kernel decode --batch 1 8 64 --context 1024 4096
     python tools/bench_attention.py --kernel prefill --chunk 512 --prefix 0 4096 --sweep
     python tools/bench_attention.py --interpret                       # CPU logic check, tiny shapes
+    python tools/bench_attention.py --kernel prefill --chunk 8192 --prefix 0 --dense-baselines
 
 Every row: its case; the kernel's time per call, its useful bytes and FLOPs, the roofline time and the kernel's
 share of it (% of roofline = roofline time / measured time); the reference's time and the speed ratio
@@ -15,6 +16,13 @@ least 256 MiB so that the 50 MB L2 holds no previous call's K/V; times include t
 kernels. The page-table width is
 `--max-model-len` / page_size, as the engine sizes it: the reference gathers the whole width, the kernel
 only the pages a row uses. `--sweep` also times the tuning grid and prints the best configuration per case.
+
+`--dense-baselines` (prefill cases with prefix 0, the choose-by-measurement item of issue 5): also times two
+library kernels on the same causal problem with contiguous, unpaged q/k/v [rows, chunk, heads, dim]: JAX's
+Mosaic GPU flash attention for Hopper (`jax.experimental.pallas.ops.gpu.attention_mgpu`: TMA, wgmma, a
+producer warpgroup; GQA native) and JAX's Triton flash attention (`...ops.gpu.attention.mha`; K/V repeated to
+every query head, since it has no GQA). They cannot read pages or start after a prefix, so they bound what
+a kernel built on their schedule would reach, rather than being drop-in replacements.
 """
 
 from __future__ import annotations
@@ -153,12 +161,61 @@ def bench_case(kind: str, case: dict, shape: dict, args, configs: list[dict]) ->
     return rows
 
 
+MGPU_SWEEP = [dict(block_q=64, block_kv=bk, max_concurrent_steps=s) for bk, s in ((64, 2), (64, 3), (128, 2))]
+
+
+def dense_baseline_rows(case: dict, shape: dict, args) -> list[dict]:
+    """Time the library flash kernels on the dense causal problem of a prefix-0 prefill case."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.gpu import attention as triton_attention
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    heads, kv_heads, dim, rows, chunk = shape["heads"], shape["kv_heads"], shape["dim"], case["rows"], case["chunk"]
+    dtype, key = jnp.dtype(args.dtype), jax.random.key(0)
+    q = jax.random.normal(key, (rows, chunk, heads, dim), dtype)
+    kv = [jax.random.normal(jax.random.fold_in(key, i), (rows, chunk, kv_heads, dim), dtype) for i in (1, 2)]
+    work = prefill_work([0] * rows, [chunk] * rows, chunk, heads, kv_heads, dim, dtype.itemsize)
+    roof = roofline_seconds(*work)
+    candidates = [("mgpu", c, lambda q, k, v, c=c: attention_mgpu.attention(
+        q, k, v, attention_mgpu.TuningConfig(causal=True, **c))) for c in MGPU_SWEEP]  # fmt: skip
+    group = heads // kv_heads
+    candidates.append(("triton_mha", {}, lambda q, k, v: triton_attention.mha(
+        q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2), None, sm_scale=dim**-0.5, causal=True)))  # fmt: skip
+    out = []
+    for name, config, op in candidates:
+
+        def program(q, k, v, op=op):
+            for _ in range(args.repeats):  # chained through q, as in seconds_per_call
+                q = op(q, k, v).astype(q.dtype)
+            return q
+
+        compiled = jax.jit(program)
+        try:
+            for _ in range(2):
+                jax.block_until_ready(compiled(q, *kv))
+        except Exception as error:
+            out.append(
+                dict(kind="dense", impl=name, **case, config=config, error=f"{type(error).__name__}: {error}"[:300])
+            )
+            continue
+        seconds = best_seconds(lambda c=compiled: jax.block_until_ready(c(q, *kv)), args.trials) / args.repeats
+        out.append(dict(kind="dense", impl=name, **case, config=config, kernel_us=seconds * 1e6, bytes=work[0],
+                        flops=work[1], roofline_us=roof * 1e6, roofline_pct=100 * roof / seconds))  # fmt: skip
+    return out
+
+
 def format_row(row: dict) -> str:
     case = {k: v for k, v in row.items() if k in ("batch", "context", "rows", "chunk", "prefix")}
     label = " ".join(f"{k}={v}" for k, v in case.items())
     config = " ".join(f"{k}={v}" for k, v in row["config"].items()) or "defaults"
+    if "impl" in row:
+        config = f"{row['impl']} {config}"
     if "error" in row:
         return f"{row['kind']:8s} {label:34s} {config:44s} FAILED {row['error']}"
+    if "ref_us" not in row:
+        return (f"{row['kind']:8s} {label:34s} {config:44s} {row['kernel_us']:9.1f} us {row['bytes'] / 1e6:9.1f} MB "
+                f"{row['flops'] / 1e9:9.2f} GFLOP {row['roofline_us']:8.1f} us {row['roofline_pct']:5.1f}%")  # fmt: skip
     return (f"{row['kind']:8s} {label:34s} {config:44s} {row['kernel_us']:9.1f} us {row['bytes'] / 1e6:9.1f} MB "
             f"{row['flops'] / 1e9:9.2f} GFLOP {row['roofline_us']:8.1f} us {row['roofline_pct']:5.1f}% "
             f"ref {row['ref_us']:9.1f} us  x{row['speedup']:.2f}")  # fmt: skip
@@ -181,6 +238,7 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=20, help="calls per timed program")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="also time the tuning grid")
+    parser.add_argument("--dense-baselines", action="store_true", help="also time JAX's dense flash kernels (above)")
     parser.add_argument("--interpret", action="store_true", help="CPU logic check at tiny shapes (times mean nothing)")
     parser.add_argument("--json", default=None, help="write every result row here")
     args = parser.parse_args(argv)
@@ -219,6 +277,10 @@ def main(argv=None) -> int:
         timed = [r for r in rows if "error" not in r]
         if args.sweep and timed:
             print("  best:", format_row(min(timed, key=lambda r: r["kernel_us"])), flush=True)
+        if args.dense_baselines and kind == "prefill" and case["prefix"] == 0 and not args.interpret:
+            for row in dense_baseline_rows(case, shape, args):
+                results.append(row)
+                print(format_row(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

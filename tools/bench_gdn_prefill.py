@@ -106,6 +106,37 @@ def fla_graph_ms(run, iters: int, repeats: int) -> float | None:
     return 1e3 * replay_seconds(graph, iters, repeats)
 
 
+def kernel_stages(kernel, inputs, iters: int, trace_dir: str) -> dict[str, float]:
+    """Device milliseconds per call of each kernel the program runs (a jax.profiler trace of `iters` calls)."""
+    import jax
+    from device_trace import device_kernels, time_by_name
+
+    jax.block_until_ready(kernel(*inputs))
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(iters):
+        out = kernel(*inputs)
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    return time_by_name(device_kernels(trace_dir), iters, top=12)
+
+
+def fla_stages(run, iters: int) -> dict[str, float]:
+    """The same for fla, from torch.profiler's CUDA kernel events."""
+    import collections
+
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    by_name = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[event.name[:60]] += event.time_range.elapsed_us()
+    return {name: us / iters / 1e3 for name, us in by_name.most_common(12)}
+
+
 def bench_case(args, rows: int, tokens: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -134,7 +165,9 @@ def bench_case(args, rows: int, tokens: int) -> dict:
             if output_pass == "parallel"
             else 0
         )
+        stages = kernel_stages(kernel, inputs, args.iters, args.profile) if args.profile else None
         result[f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"] = {
+            "kernel_ms_per_call": stages,
             "output_pass": output_pass,
             "ms": 1e3 * seconds,
             "tflops": flops / seconds / 1e12,
@@ -154,6 +187,8 @@ def bench_case(args, rows: int, tokens: int) -> dict:
         graph_ms = fla_graph_ms(run, args.iters, args.repeats)
         if graph_ms is not None:  # fla launches several kernels from Python; the graph removes that host time
             result["fla_host_loop_ms"], result["fla_ms"] = result["fla_ms"], graph_ms
+        if args.profile:
+            result["fla_kernel_ms_per_call"] = fla_stages(run, args.iters)
         out_fla = run()[0].float().cpu().numpy()
         result["fla_max_abs_err_vs_ref"] = float(np.abs(out_fla - np.asarray(out_ref, np.float32)).max())
     return result
@@ -174,6 +209,9 @@ def report(result: dict) -> str:
                 f"ref/kernel {r['ref_over_kernel']:.2f}x{vs_fla}, max |err| {r['max_abs_err_vs_ref']:.2e}"
                 + (f", chunk states {r['chunk_states_mbytes']:.0f} MB" if r["chunk_states_mbytes"] else "")
             )
+            lines += [f"    {ms:.4f} ms  {name}" for name, ms in (r["kernel_ms_per_call"] or {}).items()]
+    if "fla_kernel_ms_per_call" in result:
+        lines += [f"  fla kernel {ms:.4f} ms  {name}" for name, ms in result["fla_kernel_ms_per_call"].items()]
     return "\n".join(lines)
 
 
@@ -195,6 +233,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--profile", default=None, help="trace dir: also report device time per kernel and call")
     args = parser.parse_args()
 
     import jax

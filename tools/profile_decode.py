@@ -10,31 +10,21 @@ decode program's optimised HLO: its fusions, copies, while loops, Triton calls, 
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
 import json
+import os
 import re
 import time
 
 import numpy as np
+from device_trace import device_kernels, time_by_name
 
 
-def summarise(trace_dir: str, steps: int) -> dict:
-    path = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1]
-    with gzip.open(path) as f:
-        trace = json.load(f)
-    names = {(e["pid"]): e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
-    gpu_pids = {pid for pid, name in names.items() if "/device:GPU" in name}
-    kernels = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") in gpu_pids]
-    busy_us = sum(e["dur"] for e in kernels)
-    by_name = collections.Counter()
-    for e in kernels:
-        by_name[e["name"].split("(")[0][:60]] += e["dur"]
+def summarise(trace_dir: str, steps: int, top: int) -> dict:
+    kernels = device_kernels(trace_dir)
     return {
         "kernels_per_step": len(kernels) / steps,
-        "device_busy_ms_per_step": busy_us / steps / 1e3,
-        "top_kernels_ms_per_step": {k: v / steps / 1e3 for k, v in by_name.most_common(12)},
+        "device_busy_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1e3,
+        "top_kernels_ms_per_step": time_by_name(kernels, steps, top),
     }
 
 
@@ -79,6 +69,8 @@ def main() -> None:
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--kernels", default=None, help="pallas | ref (default: pallas on a GPU)")
     parser.add_argument("--layer-loop", default="scan", choices=("scan", "unstacked", "unrolled"))
+    parser.add_argument("--gdn-state", default="gather", choices=("gather", "in_pool"))
+    parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
     args = parser.parse_args()
@@ -90,6 +82,7 @@ def main() -> None:
         gpu_memory_fraction=0.5,
         compile_cache=args.compile_cache,
         layer_loop=args.layer_loop,
+        gdn_state=args.gdn_state,
     )
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=(args.batch,), prefill_rows=(1,), chunk=(args.context,))
@@ -116,7 +109,8 @@ def main() -> None:
     jax.profiler.stop_trace()
     hlo = engine.runner.executables[(args.batch, 0, 0)].as_text()
     report = {"batch": args.batch, "kernels": model.kernels.name, "layer_loop": args.layer_loop,
-              "wall_ms_per_step": wall * 1e3, **summarise(args.trace_dir, args.steps),
+              "gdn_state": args.gdn_state, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "wall_ms_per_step": wall * 1e3, **summarise(args.trace_dir, args.steps, args.top),
               "decode_program_hlo": hlo_summary(hlo),
               "decode_program_scratch_bytes": engine.runner.temp_bytes[(args.batch, 0, 0)]}  # fmt: skip
     print(json.dumps(report, indent=2))
