@@ -46,16 +46,39 @@ def prefill_floor_flops(cfg, tokens: int) -> float:
 @dataclasses.dataclass
 class StepClock:
     """Wall time of each engine.step() call with the plan it launched; in steady state one step() is
-    launch(N) + wait(N-1), so its duration is the device time of one step."""
+    launch(N) + wait(N-1), so its duration is the device time of one step, unless the host is slower.
+    To tell which, each record also holds the host time of the launch (inputs built and the program
+    dispatched) and of processing the previous step (its fetch, which blocks until the device is done, and
+    the host work on its tokens): a step whose fetch takes no time was waited for by nobody, i.e. the host
+    is the bottleneck."""
 
     records: list = dataclasses.field(default_factory=list)
 
     def run(self, engine, until) -> None:
-        while not until():
-            plan_before = engine.scheduler._next_step_id
-            start = time.perf_counter()
-            engine.step()
-            self.records.append((plan_before, engine._in_flight, time.perf_counter() - start))
+        launch, process = engine.runner.launch, engine._process
+        spent = {}
+
+        def timed(name, fn):
+            def wrapper(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent[name] = time.perf_counter() - start
+
+            return wrapper
+
+        engine.runner.launch, engine._process = timed("launch", launch), timed("process", process)
+        try:
+            while not until():
+                plan_before = engine.scheduler._next_step_id
+                spent.clear()
+                start = time.perf_counter()
+                engine.step()
+                self.records.append((plan_before, engine._in_flight, time.perf_counter() - start,
+                                     spent.get("launch", 0.0), spent.get("process", 0.0)))  # fmt: skip
+        finally:
+            engine.runner.launch, engine._process = launch, process
 
 
 def _random_prompt(rng, n: int, vocab: int) -> list[int]:
@@ -75,15 +98,18 @@ def bench_decode(engine, cfg, batch: int, context: int, steps: int, rng) -> dict
     failed = [o.error for o in done if o.finish_reason == "error"]
     if failed:  # the engine fails a step's requests instead of raising (an out-of-memory step among them)
         raise RuntimeError(f"{len(failed)} of {batch} requests failed: {failed[0]}")
-    full = [seconds for _, handle, seconds in clock.records
+    full = [times for _, handle, *times in clock.records
             if handle is not None and handle.plan.action == "decode" and len(handle.plan.decode) == batch]  # fmt: skip
-    steady = full[2 : 2 + steps]  # skip the first full steps: the previous step may still be a prefill
+    measured = full[2 : 2 + steps]  # skip the first full steps: the previous step may still be a prefill
+    steady = [seconds for seconds, _, _ in measured]
     tpot = statistics.median(steady)
     floor = decode_floor_bytes(cfg, batch, context) / HBM_BYTES_PER_S
     return {
         "batch": batch, "context": context, "steps_measured": len(steady), "tpot_ms": tpot * 1e3,
         "tpot_p90_ms": float(np.percentile(steady, 90)) * 1e3, "throughput_tok_s": batch / tpot,
         "floor_ms": floor * 1e3, "ratio_to_floor": tpot / floor, "roofline_fraction": floor / tpot,
+        "host_launch_ms": statistics.median(m[1] for m in measured) * 1e3,
+        "host_fetch_and_process_ms": statistics.median(m[2] for m in measured) * 1e3,
     }  # fmt: skip
 
 

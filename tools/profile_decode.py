@@ -16,7 +16,7 @@ import re
 import time
 
 import numpy as np
-from device_trace import device_kernels, time_by_name
+from device_trace import device_kernels, host_events, time_by_name
 
 
 def summarise(trace_dir: str, steps: int, top: int) -> dict:
@@ -25,6 +25,9 @@ def summarise(trace_dir: str, steps: int, top: int) -> dict:
         "kernels_per_step": len(kernels) / steps,
         "device_busy_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1e3,
         "top_kernels_ms_per_step": time_by_name(kernels, steps, top),
+        # Where the host spends a step (nested events each count, so these overlap): a launch that blocks on
+        # the device shows up here as a long PjRt execute or buffer wait.
+        "top_host_events_ms_per_step": time_by_name(host_events(trace_dir), steps, top),
     }
 
 
