@@ -8,6 +8,12 @@ that serving compiled nothing new.
 Sampled tokens stay on the device: the step writes each row's token into `token_state[slot]`, and the
 next step's decode rows read their input token from there. The host reads the step's outputs one step
 late (`StepHandle.fetch`), after it has launched the next step.
+
+A step program picks each row's greedy token. When a row of the step samples (temperature > 0, known on
+the host from the requests), the runner launches a second, small program after it, the sampler for the
+step's row count, which draws those rows' tokens from the step's logits and overwrites them in
+`token_state`. Nothing in either program depends on a device value the host must read: a `lax.cond` on
+"does any row sample" made XLA's GPU runtime wait for the device inside every launch.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
 from qwen35_jax.cache import CacheSpec, new_cache
 from qwen35_jax.kernels import Mixers
 from qwen35_jax.model import ModelDef, forward
-from qwen35_jax.serving.device_sampling import SamplingRows, sample
+from qwen35_jax.serving.device_sampling import SamplingRows, greedy, resample
 from qwen35_jax.serving.plan import StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE
 
@@ -65,6 +71,10 @@ class Buckets:
             chunk=power_of_two_buckets(max_prefill_tokens, smallest=min(16, max_prefill_tokens)),
         )
 
+    def sampler_rows(self) -> list[int]:
+        """The output row counts (B + P) of the step programs: one sampler program each."""
+        return sorted({b + p for b, p, _ in self.keys()})
+
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (B, P, T) program: decode-only, prefill-only and unified."""
         decode = [(b, 0, 0) for b in self.decode]
@@ -84,8 +94,9 @@ def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, num_top: int, p
     return engine_step(model, mixer_set, num_top, jax.tree.unflatten(treedef, param_leaves), *args)
 
 
-def engine_step(model: ModelDef, mixer_set: Mixers, num_top: int, params, cache, token_state, inputs, rows):
-    """forward + per-row sampling; decode tokens come from token_state, sampled tokens go back into it."""
+def engine_step(model: ModelDef, mixer_set: Mixers, num_top: int, params, cache, token_state, inputs):
+    """forward + greedy tokens; decode tokens come from token_state, the chosen tokens go back into it.
+    Returns (cache, token_state, (tokens, logprobs, top ids, top logprobs), logits for `sampler_step`)."""
     slots = []
     if inputs.decode is not None:
         inputs = dataclasses.replace(
@@ -95,9 +106,16 @@ def engine_step(model: ModelDef, mixer_set: Mixers, num_top: int, params, cache,
     if inputs.prefill is not None:
         slots.append(inputs.prefill.slots)
     logits, cache = forward(model, params, cache, inputs, mixer_set)
-    tokens, chosen, top_ids, top_lp = sample(logits, rows, num_top)
+    tokens, chosen, top_ids, top_lp = greedy(logits, num_top)
     token_state = token_state.at[jnp.concatenate(slots)].set(tokens)
-    return cache, token_state, (tokens, chosen, top_ids, top_lp)
+    return cache, token_state, (tokens, chosen, top_ids, top_lp), logits
+
+
+def sampler_step(logits, rows: SamplingRows, token_state, slots, tokens):
+    """The draw for the sampled rows of a step (rows with temperature 0 keep `tokens`); the tokens go into
+    token_state at `slots` (the step's rows, padding rows at the trash slot). -> (token_state, tokens, logprobs)"""
+    tokens, chosen = resample(logits, rows, tokens)
+    return token_state.at[slots].set(tokens), tokens, chosen
 
 
 @dataclasses.dataclass
@@ -132,15 +150,23 @@ class Runner:
         self.executables: dict[tuple[int, int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self.temp_bytes: dict[tuple[int, int, int], int] = {}  # device scratch of each program
+        self.sampler_executables: dict[int, object] = {}  # by output rows B + P
+        self.sampler_compile_seconds: dict[int, float] = {}
         # The programs take the weights as a flat list: flattening the nnx tree runs Python per variable, which
         # at 4B with --layer-loop unstacked (426 arrays) cost ~0.35 ms of host time per step on this CPU.
         self._param_leaves, treedef = jax.tree.flatten(params)
         self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set, num_top_logprobs),
                                donate_argnums=(1, 2))  # fmt: skip
+        self._sampler_jitted = jax.jit(sampler_step, donate_argnums=(2,))
 
     @property
     def num_compiles(self) -> int:
+        """Step programs compiled (the samplers are counted apart, in num_sampler_compiles)."""
         return len(self.compile_seconds)
+
+    @property
+    def num_sampler_compiles(self) -> int:
+        return len(self.sampler_compile_seconds)
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def _page_table(self, rows: list[tuple[int, ...]], pad_to: int) -> np.ndarray:
@@ -175,21 +201,36 @@ class Runner:
         return StepInputs(decode=decode, prefill=prefill)
 
     # ---- compile -----------------------------------------------------------------------------------------
-    def _abstract_inputs(self, key) -> tuple[StepInputs, SamplingRows]:
+    def _abstract_inputs(self, key) -> StepInputs:
         b, p, t = key
         w = self.page_table_width
         i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
         decode = DecodeSide(i32((b,)), i32((b,)), i32((b,)), i32((b, w))) if b else None
         prefill = PrefillSide(i32((p, t)), i32((p,)), i32((p,)), i32((p,)), i32((p, w))) if p else None
-        r = b + p
-        f32 = partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
-        rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)),
-                            jax.ShapeDtypeStruct((r,), jnp.uint32), i32((r,)))  # fmt: skip
-        return StepInputs(decode, prefill), rows
+        return StepInputs(decode, prefill)
 
     def _lower(self, key):
-        inputs, rows = self._abstract_inputs(key)
-        return self._jitted.lower(self._param_leaves, self.cache, self.token_state, inputs, rows)
+        return self._jitted.lower(self._param_leaves, self.cache, self.token_state, self._abstract_inputs(key))
+
+    def _lower_sampler(self, r: int):
+        i32, f32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32), partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+        rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)),
+                            jax.ShapeDtypeStruct((r,), jnp.uint32), i32((r,)))  # fmt: skip
+        logits = f32((r, self.model_def.cfg.vocab_size))
+        return self._sampler_jitted.lower(logits, rows, self.token_state, i32((r,)), i32((r,)))
+
+    def _compile_sampler_lowered(self, r: int, lowered, lower_seconds: float) -> object:
+        start = time.perf_counter()
+        executable = lowered.compile()
+        self.sampler_executables[r] = executable
+        self.sampler_compile_seconds[r] = lower_seconds + time.perf_counter() - start
+        log.info("compiled sampler R=%d in %.2fs", r, self.sampler_compile_seconds[r])
+        return executable
+
+    def compile_sampler(self, r: int) -> object:
+        start = time.perf_counter()
+        lowered = self._lower_sampler(r)
+        return self._compile_sampler_lowered(r, lowered, time.perf_counter() - start)
 
     def _compile_lowered(self, key, lowered, lower_seconds: float) -> object:
         start = time.perf_counter()
@@ -215,15 +256,18 @@ class Runner:
         from the start: lowering overlaps the compiles, so the bar moves while programs are still lowered."""
         start = time.perf_counter()
         keys = [key for key in self.buckets.keys() if key not in self.executables]
+        samplers = [r for r in self.buckets.sampler_rows() if r not in self.sampler_executables]
+        jobs = [(key, self._lower, self._compile_lowered) for key in keys]
+        jobs += [(r, self._lower_sampler, self._compile_sampler_lowered) for r in samplers]
         workers = workers or min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
-        bar = progress(len(keys)) if progress is not None else None
+        bar = progress(len(jobs)) if progress is not None else None
         try:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="compile") as pool:
                 futures = []
-                for key in keys:
+                for key, lower, compile_lowered in jobs:
                     lower_start = time.perf_counter()
-                    lowered = self._lower(key)
-                    future = pool.submit(self._compile_lowered, key, lowered, time.perf_counter() - lower_start)
+                    lowered = lower(key)
+                    future = pool.submit(compile_lowered, key, lowered, time.perf_counter() - lower_start)
                     if bar is not None:
                         future.add_done_callback(lambda _: bar.update(1))
                     futures.append(future)
@@ -240,14 +284,23 @@ class Runner:
         key = self.buckets.key_for(plan)
         executable = self.executables.get(key) or self.compile(key)
         inputs = self.inputs_for(plan, key)
-        num_decode = len(plan.decode)
+        self.cache, self.token_state, outputs, logits = executable(
+            self._param_leaves, self.cache, self.token_state, inputs
+        )
+        if any(row.temperature > 0 for row in sampling):
+            outputs = self._sample(plan, key, inputs, sampling, logits, outputs)
+        return StepHandle(plan, key, outputs, time.perf_counter())
+
+    def _sample(self, plan: StepPlan, key, inputs: StepInputs, sampling: list, logits, outputs) -> tuple:
+        """Launches the sampler after the step: the sampled rows' tokens replace the greedy ones."""
+        num_decode, rows_total = len(plan.decode), key[0] + key[1]
         # Output rows are [B decode bucket | P prefill bucket]: pad each side to its bucket.
         padded = [*sampling[:num_decode], *[None] * (key[0] - num_decode), *sampling[num_decode:]]
-        rows = SamplingRows.from_rows(padded, key[0] + key[1])
-        self.cache, self.token_state, outputs = executable(
-            self._param_leaves, self.cache, self.token_state, inputs, rows
-        )
-        return StepHandle(plan, key, outputs, time.perf_counter())
+        rows = SamplingRows.from_rows(padded, rows_total)
+        slots = np.concatenate([side.slots for side in (inputs.decode, inputs.prefill) if side is not None])
+        sampler = self.sampler_executables.get(rows_total) or self.compile_sampler(rows_total)
+        self.token_state, tokens, chosen = sampler(logits, rows, self.token_state, slots, outputs[0])
+        return (tokens, chosen, *outputs[2:])
 
     def cache_lost(self) -> bool:
         """True when a failed step consumed the donated caches."""

@@ -149,6 +149,11 @@ def greedy(max_tokens: int, **fields) -> GenerationParams:
     return GenerationParams(**({"max_tokens": max_tokens, "ignore_eos": True, "logprobs": 2} | fields))
 
 
+def sampled(max_tokens: int, seed: int) -> GenerationParams:
+    """Sampled at temperature 0.8 with a seed, to the length limit."""
+    return GenerationParams(max_tokens, ignore_eos=True, sampling=SamplingParams(0.8, seed=seed), logprobs=2)
+
+
 def generate(engine, requests: list[tuple[list[int], GenerationParams]]) -> list[Result]:
     """Submit all requests at once, run the engine inline until idle, return the results in order."""
     collector = Collector()
@@ -476,11 +481,21 @@ def test_threaded_loop_serves_aborts_and_shuts_down(tiny_model, engines):
 
 def test_serving_compiles_nothing_new(engine, monkeypatch):
     """A workload that runs every bucket program (prefill-only, decode-only and unified, at every B and T)
-    compiles nothing: no new runner program and no XLA compile or cache load at all."""
+    and every sampler program (sampled decoders at every output row count) compiles nothing: no new runner
+    program and no XLA compile or cache load at all."""
     runner = engine.runner
     assert set(runner.compile_seconds) == set(runner.buckets.keys()) and runner.num_compiles == 15
+    assert set(runner.sampler_compile_seconds) == set(runner.buckets.sampler_rows()) == {1, 2, 3, 4, 5}
     before = runner.num_compiles
     backend_compiles = []
+    sampler_rows = []
+    sample = runner._sample
+
+    def spy_sample(plan, key, *args):
+        sampler_rows.append(key[0] + key[1])
+        return sample(plan, key, *args)
+
+    monkeypatch.setattr(runner, "_sample", spy_sample)
 
     def on_event(event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT:
@@ -496,7 +511,9 @@ def test_serving_compiles_nothing_new(engine, monkeypatch):
         engine.run_until_done()
         # With 1, 2 and 3 requests decoding, one prompt per chunk bucket: unified steps at B = 1, 2, 4.
         for num_decoding in (1, 2, 3):
-            decoders = [engine.submit(prompt(5, seed=70 + i), greedy(30), collector) for i in range(num_decoding)]
+            decoders = [
+                engine.submit(prompt(5, seed=70 + i), sampled(30, seed=i), collector) for i in range(num_decoding)
+            ]
             while any(engine.scheduler.running[r].remaining_prompt for r in decoders if r in engine.scheduler.running):
                 engine.step()
             engine.step()  # a decode-only step at this B
@@ -509,7 +526,9 @@ def test_serving_compiles_nothing_new(engine, monkeypatch):
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert set(spy.keys) == set(runner.buckets.keys())  # every program served a real step
+    assert set(sampler_rows) == set(runner.buckets.sampler_rows())  # and every sampler
     assert runner.num_compiles == before and set(runner.compile_seconds) == set(runner.buckets.keys())
+    assert set(runner.sampler_compile_seconds) == set(runner.buckets.sampler_rows())
     assert backend_compiles == []
     assert all(o.error is None for outputs in collector.outputs.values() for o in outputs)
 
@@ -786,3 +805,14 @@ def test_in_pool_gdn_state_serves_the_same_tokens(engines, engine, monkeypatch):
         assert any(b and p for b, p, _ in spy.keys), "no unified step ran"
     finally:
         engines.release(in_pool)
+
+
+def test_programs_have_no_device_branch(engine):
+    """No step or sampler program branches on a device value: XLA's GPU runtime runs a `conditional` by
+    copying its predicate to the host and waiting for it inside the launch, so a branch would make the host
+    wait for the step it just launched (what the "any row samples" lax.cond did; docs/performance.md)."""
+    runner = engine.runner
+    programs = [*runner.executables.values(), *runner.sampler_executables.values()]
+    assert len(programs) == len(runner.buckets.keys()) + len(runner.buckets.sampler_rows())
+    for program in programs:
+        assert " conditional(" not in program.as_text()
