@@ -67,6 +67,11 @@ def _serve_parser(subparsers) -> None:
         default=defaults.layer_loop,
         help="scan (compile time independent of depth) | unstacked (faster steps, longer compiles)",
     )
+    p.add_argument(
+        "--gdn-state",
+        default=defaults.gdn_state,
+        help="in_pool (decode rows' GDN states updated in the slot pool) | gather (gathered and scattered each step)",
+    )
     p.add_argument("--trace-steps", action="store_true", help="log every step's plan (ITL_STEP lines)")
     p.set_defaults(handler=run_serve)
 
@@ -84,7 +89,7 @@ def engine_config(args, max_position_embeddings: int):
             max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, max_model_len=max_model_len,
             gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
             scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap, compile_cache=cache,
-            layer_loop=args.layer_loop,
+            layer_loop=args.layer_loop, gdn_state=args.gdn_state,
         )  # fmt: skip
     except ValueError as err:
         raise FlagError(str(err)) from None

@@ -42,9 +42,10 @@ class EngineConfig:
     # over per-group weight arrays; on the H200 at 4B it removes a copy of each group's weights per scan
     # iteration (batch-1 TPOT 11.8 -> 9.1 ms) for 2-4x the compile time (docs/performance.md).
     layer_loop: str = "scan"
-    # gather | in_pool (ModelDef.gdn_state): where decode rows' GDN states are updated. No serve flag until
-    # the GPU A/B has been run (offline_bench --gdn-state).
-    gdn_state: str = "gather"
+    # in_pool | gather (ModelDef.gdn_state): decode rows' GDN states updated in the slot pool by the kernel,
+    # or gathered into a step buffer and scattered back. in_pool measured faster on the H200 (batch 256:
+    # 33 ms against 55 ms a step, docs/performance.md); gather stays for A/B.
+    gdn_state: str = "in_pool"
 
     def __post_init__(self):
         checks = [

@@ -210,7 +210,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--gdn-state",
-        default="gather",
+        default="in_pool",
         choices=("gather", "in_pool"),
         help="A/B: decode rows' GDN states gathered and scattered, or updated in the pool",
     )

@@ -790,21 +790,22 @@ def test_unstacked_layer_loop_serves_the_same_tokens(engines, engine):
 
 
 def test_in_pool_gdn_state_serves_the_same_tokens(engines, engine, monkeypatch):
-    """gdn_state "in_pool" through the engine, unified steps included (decode rows updated in the pool while
-    a prefill chunk's rows are gathered and scattered): the gather engine's greedy tokens, pools freed."""
+    """gdn_state "in_pool" (the default) through the engine, unified steps included (decode rows updated in
+    the pool while a prefill chunk's rows are gathered and scattered): the gather engine's greedy tokens."""
     from qwen35_jax.api import load_model
 
+    assert engine.runner.model_def.gdn_state == "in_pool"
     model = load_model("tiny", dtype="float32")
-    in_pool = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, gdn_state="in_pool")
+    gather = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, gdn_state="gather")
     try:
-        assert model.model_def.gdn_state == "in_pool"
-        spy = StepSpy(in_pool.runner, monkeypatch)
+        assert model.model_def.gdn_state == "gather"
+        spy = StepSpy(engine.runner, monkeypatch)
         requests = [(prompt(n, seed=400 + n), greedy(m)) for n, m in [(5, 8), (70, 5), (40, 6)]]
-        for got, want in zip(generate(in_pool, requests), generate(engine, requests), strict=True):
+        for got, want in zip(generate(engine, requests), generate(gather, requests), strict=True):
             assert_same_greedy(got, want)
         assert any(b and p for b, p, _ in spy.keys), "no unified step ran"
     finally:
-        engines.release(in_pool)
+        engines.release(gather)
 
 
 def test_programs_have_no_device_branch(engine):

@@ -305,6 +305,7 @@ def no_weight_loads(monkeypatch):
         (["--scheduler-policy", "fast"], "--scheduler-policy"),
         (["--kernels", "pallas"], "--kernels"),
         (["--layer-loop", "while"], "--layer-loop"),
+        (["--gdn-state", "pooled"], "--gdn-state"),
         (["--num-pages", "1"], "--num-pages"),
         (["--max-model-len", "100000"], "--max-model-len"),
         (["--port", "70000"], "--port"),
