@@ -289,6 +289,8 @@ class Runner:
         )
         if any(row.temperature > 0 for row in sampling):
             outputs = self._sample(plan, key, inputs, sampling, logits, outputs)
+        for output in outputs:  # start the device-to-host copies now; the host reads them a step later
+            output.copy_to_host_async()
         return StepHandle(plan, key, outputs, time.perf_counter())
 
     def _sample(self, plan: StepPlan, key, inputs: StepInputs, sampling: list, logits, outputs) -> tuple:
