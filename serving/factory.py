@@ -46,6 +46,9 @@ class EngineConfig:
     # or gathered into a step buffer and scattered back. in_pool measured faster on the H200 (batch 256:
     # 33 ms against 55 ms a step, docs/performance.md); gather stays for A/B.
     gdn_state: str = "in_pool"
+    # XLA compile options for every program, ((name, value), ...), e.g. (("xla_gpu_enable_triton_gemm", False),)
+    # for A/B runs (offline_bench --xla-option); part of the persistent cache key. XLA rejects unknown names.
+    xla_options: tuple = ()
 
     def __post_init__(self):
         checks = [
@@ -60,6 +63,8 @@ class EngineConfig:
             (self.decode_overlap in ("off", "stream"), f"--decode-overlap must be off|stream, got {self.decode_overlap!r}"),
             (self.layer_loop in LAYER_LOOPS, f"--layer-loop must be scan|unstacked, got {self.layer_loop!r}"),
             (self.gdn_state in ("gather", "in_pool"), f"--gdn-state must be gather|in_pool, got {self.gdn_state!r}"),
+            (all(str(name).startswith("xla_") for name, _ in self.xla_options),
+             f"--xla-option names start with xla_, got {[name for name, _ in self.xla_options]}"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -129,7 +134,7 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
     )  # fmt: skip
     buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks)
     runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
-                    config.num_top_logprobs)  # fmt: skip
+                    config.num_top_logprobs, dict(config.xla_options))  # fmt: skip
     scheduler = Scheduler(SchedulerConfig(
         max_batch=config.max_batch, max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,
         num_pages=spec.num_pages, num_slots=spec.num_slots, max_model_len=config.max_model_len,

@@ -144,13 +144,28 @@ def build(args, model, batches: list[int], chunks: list[int], max_model_len: int
     config = EngineConfig(
         max_batch=batches[-1], max_prefill_tokens=chunks[-1], max_model_len=max_model_len,
         gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache, layer_loop=args.layer_loop,
-        gdn_state=args.gdn_state,
+        gdn_state=args.gdn_state, xla_options=parse_xla_options(args.xla_option),
     )  # fmt: skip
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=tuple(batches), prefill_rows=(1,), chunk=tuple(chunks))
     start = time.perf_counter()
     engine.runner.compile_all()
     return engine, time.perf_counter() - start
+
+
+def parse_xla_options(items: list[str] | None) -> tuple:
+    """["name=value", ...] -> ((name, value), ...), with true/false as bools and integers as ints."""
+    options = []
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--xla-option wants NAME=VALUE, got {item!r}")
+        if value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        elif value.lstrip("-").isdigit():
+            value = int(value)
+        options.append((name, value))
+    return tuple(options)
 
 
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "no room for the KV pool")
@@ -214,6 +229,9 @@ def main(argv=None) -> None:
         choices=("gather", "in_pool"),
         help="A/B: decode rows' GDN states gathered and scattered, or updated in the pool",
     )
+    parser.add_argument("--xla-option", action="append", default=None, metavar="NAME=VALUE",
+                        help="an XLA compile option for every program (A/B), e.g. xla_gpu_enable_triton_gemm=false; "
+                             "repeatable")  # fmt: skip
     parser.add_argument("--ready-only", action="store_true", help="build and compile, report times, exit")
     parser.add_argument("--max-batch-search", default=None,
                         help="e.g. 256,384,512,768: after the decode runs, the largest of these batches that fits "
@@ -232,7 +250,7 @@ def main(argv=None) -> None:
     # Decode: the page table spans only context + generated tokens, as a server sized for it would.
     engine, compile_decode = build(args, model, batches, [args.context], args.context + batches[-1] + args.steps + 32)
     result = {"model": args.model, "kernels": args.kernels, "layer_loop": args.layer_loop,
-              "gdn_state": args.gdn_state, "load_s": load_s,
+              "gdn_state": args.gdn_state, "xla_options": args.xla_option or [], "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)
     print("scratch bytes", {str(k): v for k, v in engine.runner.temp_bytes.items()}, flush=True)

@@ -139,11 +139,12 @@ class StepHandle:
 
 class Runner:
     def __init__(self, model_def: ModelDef, params, mixer_set: Mixers, spec: CacheSpec, buckets: Buckets,
-                 max_model_len: int, num_top_logprobs: int = 20):  # fmt: skip
+                 max_model_len: int, num_top_logprobs: int = 20, compiler_options: dict | None = None):  # fmt: skip
         self.model_def, self.params, self.mixers = model_def, params, mixer_set
         self.spec, self.buckets = spec, buckets
         self.page_table_width = -(-max_model_len // spec.page_size)
         self.num_top = num_top_logprobs
+        self.compiler_options = dict(compiler_options or {})  # XLA options of every program (A/B runs)
         self.trash_slot = spec.num_slots - 1
         self.cache = new_cache(model_def.cfg, spec, model_def.dtype)
         self.token_state = jnp.zeros(spec.num_slots, jnp.int32)
@@ -221,7 +222,7 @@ class Runner:
 
     def _compile_sampler_lowered(self, r: int, lowered, lower_seconds: float) -> object:
         start = time.perf_counter()
-        executable = lowered.compile()
+        executable = lowered.compile(compiler_options=self.compiler_options or None)
         self.sampler_executables[r] = executable
         self.sampler_compile_seconds[r] = lower_seconds + time.perf_counter() - start
         log.info("compiled sampler R=%d in %.2fs", r, self.sampler_compile_seconds[r])
@@ -234,7 +235,7 @@ class Runner:
 
     def _compile_lowered(self, key, lowered, lower_seconds: float) -> object:
         start = time.perf_counter()
-        executable = lowered.compile()
+        executable = lowered.compile(compiler_options=self.compiler_options or None)
         self.executables[key] = executable
         self.compile_seconds[key] = lower_seconds + time.perf_counter() - start
         memory = executable.memory_analysis()

@@ -61,6 +61,7 @@ def main() -> None:
     from qwen35_jax.api import load_model
     from qwen35_jax.serving.engine import GenerationParams
     from qwen35_jax.serving.factory import EngineConfig, build_engine
+    from qwen35_jax.serving.offline_bench import parse_xla_options
     from qwen35_jax.serving.runner import Buckets
 
     parser = argparse.ArgumentParser()
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--kernels", default=None, help="pallas | ref (default: pallas on a GPU)")
     parser.add_argument("--layer-loop", default="scan", choices=("scan", "unstacked", "unrolled"))
     parser.add_argument("--gdn-state", default="gather", choices=("gather", "in_pool"))
+    parser.add_argument("--xla-option", action="append", default=None, metavar="NAME=VALUE",
+                        help="an XLA compile option (as offline_bench --xla-option); repeatable")  # fmt: skip
     parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
@@ -86,6 +89,7 @@ def main() -> None:
         compile_cache=args.compile_cache,
         layer_loop=args.layer_loop,
         gdn_state=args.gdn_state,
+        xla_options=parse_xla_options(args.xla_option),
     )
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=(args.batch,), prefill_rows=(1,), chunk=(args.context,))
@@ -113,6 +117,7 @@ def main() -> None:
     hlo = engine.runner.executables[(args.batch, 0, 0)].as_text()
     report = {"batch": args.batch, "kernels": model.kernels.name, "layer_loop": args.layer_loop,
               "gdn_state": args.gdn_state, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "xla_options": args.xla_option or [],
               "wall_ms_per_step": wall * 1e3, **summarise(args.trace_dir, args.steps, args.top),
               "decode_program_hlo": hlo_summary(hlo),
               "decode_program_scratch_bytes": engine.runner.temp_bytes[(args.batch, 0, 0)]}  # fmt: skip
