@@ -44,3 +44,33 @@ def test_pallas_is_the_gpu_default_and_refused_elsewhere():
         check_selectable("pallas", "cpu")
     with pytest.raises(ValueError, match="unknown kernel set"):
         check_selectable("triton", "gpu")
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unstacked"])
+def test_each_kernel_is_lowered_once_per_program(layer_loop):
+    """A 4B unified step program lowered for an abstract H200 holds each Triton kernel once, however many
+    layers call it (the kernels are nested jits; a bare pallas_call is lowered again at every call site,
+    which made an unstacked program take seconds to lower). Unified step: conv prefill + update, GDN
+    prefill (3 kernels) + in-pool decode, decode and prefill attention = 8 distinct kernels."""
+    import jax
+    import jax.numpy as jnp
+    from _lowering import lower_jitted_for_h200
+
+    from qwen35_jax.cache import CacheSpec
+    from qwen35_jax.config import preset
+    from qwen35_jax.model import abstract_model
+    from qwen35_jax.serving.runner import Buckets, Runner
+
+    model_def, params = abstract_model(preset("4b"), jnp.bfloat16)
+    if layer_loop == "unstacked":
+        leaves, treedef = jax.tree.flatten(params["groups"])
+        group = [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype) for leaf in leaves]
+        params = {**params, "groups": tuple(jax.tree.unflatten(treedef, group) for _ in range(leaves[0].shape[0]))}
+    model_def = dataclasses.replace(model_def, layer_loop=layer_loop, gdn_state="in_pool")
+    runner = Runner(model_def, params, mixers("pallas"), CacheSpec(4, 16, 2), Buckets((4,), (1,), (64,)), 256)
+    key = (4, 1, 64)
+    inputs = runner._abstract_inputs(key)
+    text = lower_jitted_for_h200(
+        runner._jitted, runner._param_leaves, runner.cache, runner.token_state, inputs
+    ).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 8
