@@ -63,30 +63,42 @@ def _draw(logits, rows: SamplingRows):
     return jnp.take_along_axis(order, rank[:, None], axis=-1)[:, 0]
 
 
-def greedy(logits: jax.Array, num_top: int):
-    """logits [R, V] fp32 -> (argmax tokens [R] int32, their logprobs [R], top ids [R, num_top], top logprobs)."""
+def _logprob_of(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """log softmax(logits)[token] per row, from one logsumexp (no [R, V] log-softmax written out)."""
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def greedy(logits: jax.Array):
+    """logits [R, V] fp32 -> (argmax tokens [R] int32, their logprobs [R])."""
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, num_top)
-    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+    return tokens, _logprob_of(logits, tokens)
+
+
+def top_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int):
+    """(the tokens' logprobs [R], top ids [R, num_top] int32, their logprobs), best first. One logsumexp serves
+    both, so a chosen token that is in the top list has exactly its logprob there. The top-k over the whole
+    vocabulary is a sort in XLA, so the engine runs this only for steps where a request asked for top logprobs."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    top_logits, top_ids = jax.lax.top_k(logits, num_top)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+    return chosen, top_ids.astype(jnp.int32), top_logits - lse[:, None]
 
 
 def resample(logits: jax.Array, rows: SamplingRows, tokens: jax.Array):
     """The tokens of rows with temperature > 0 replaced by a draw; returns (tokens [R] int32, their logprobs)."""
     tokens = jnp.where(rows.temperature > 0, _draw(logits, rows), tokens).astype(jnp.int32)
-    chosen = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen
+    return tokens, _logprob_of(logits, tokens)
 
 
 def sample(logits: jax.Array, rows: SamplingRows, num_top: int):
-    """greedy, then the draw for sampled rows, in one program: (tokens, token logprob, top ids, top logprobs).
+    """greedy, the draw for sampled rows and the top logprobs in one program: (tokens, token logprob, top ids,
+    top logprobs).
 
-    The engine does not call this: its step program ends with `greedy`, and the runner launches a second,
-    small program with `resample` only for steps that have a sampled row, a choice the host makes from the
-    requests' parameters. A `lax.cond` on the device (as this module had) makes XLA's GPU runtime copy the
+    The engine does not call this: its step program ends with `greedy`, and the runner launches small
+    programs with `resample` and `top_logprobs` only for steps that have a sampled row or a request for top
+    logprobs, choices the host makes from the requests' parameters. A `lax.cond` on the device (as this module had) makes XLA's GPU runtime copy the
     predicate to the host and wait for it inside the launch, so the host waited for every step it launched
     (H200 trace: 5.0 ms of a 9.7 ms launch, docs/performance.md)."""
-    tokens, _, top_ids, top_lp = greedy(logits, num_top)
-    tokens, chosen = resample(logits, rows, tokens)
-    return tokens, chosen, top_ids, top_lp
+    tokens, _ = resample(logits, rows, greedy(logits)[0])
+    return tokens, *top_logprobs(logits, tokens, num_top)

@@ -84,6 +84,7 @@ class SamplingRow:
     min_p: float
     seed: int
     output_index: int
+    logprobs: int = 0  # top logprobs wanted (the runner computes them only for steps where a row wants some)
 
 
 class Engine:
@@ -160,7 +161,7 @@ class Engine:
             gen = self.generations[row.request_id]
             s = gen.params.sampling
             index = gen.request.num_output_tokens - 1  # counted at schedule time for this step
-            rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index))
+            rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index, gen.params.logprobs or 0))
         return rows
 
     def _launch(self, plan: StepPlan) -> StepHandle | None:
@@ -191,7 +192,8 @@ class Engine:
             return
         for i, row in handle.output_rows():
             if getattr(row, "is_last", True):
-                self._accept(row.request_id, int(tokens[i]), float(chosen[i]), top_ids[i], top_lp[i])
+                top = (None, None) if top_ids is None else (top_ids[i], top_lp[i])
+                self._accept(row.request_id, int(tokens[i]), float(chosen[i]), *top)
         if self.metrics is not None:
             self.metrics.on_step(handle, self)
 
@@ -207,9 +209,8 @@ class Engine:
         lps = None
         if gen.params.logprobs is not None:
             n = gen.params.logprobs
-            lps = [
-                TokenLogprob(token, logprob, [(int(i), float(v)) for i, v in zip(top_ids[:n], top_lp[:n], strict=True)])
-            ]
+            top = [] if not n else [(int(i), float(v)) for i, v in zip(top_ids[:n], top_lp[:n], strict=True)]
+            lps = [TokenLogprob(token, logprob, top)]
         self._emit(gen, RequestOutput(request_id, [token], text, lps))
         if stopped or reason is not None:
             self._finish(request_id, "stop" if stopped else reason, emit=True)

@@ -143,7 +143,7 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
     ))  # fmt: skip
     if compile_now:
         seconds = runner.compile_all(progress)
-        log.info("compiled %d step programs and %d samplers in %.1fs (wall; %.1fs summed over programs)",
-                 runner.num_compiles, runner.num_sampler_compiles, seconds,
-                 sum(runner.compile_seconds.values()) + sum(runner.sampler_compile_seconds.values()))  # fmt: skip
+        log.info("compiled %d step programs and %d row programs in %.1fs (wall; %.1fs summed over programs)",
+                 runner.num_compiles, runner.num_row_compiles, seconds,
+                 sum(runner.compile_seconds.values()) + sum(runner.row_compile_seconds.values()))  # fmt: skip
     return Engine(runner, scheduler, model.tokenizer, model.config.eos_token_ids)

@@ -9,11 +9,12 @@ Sampled tokens stay on the device: the step writes each row's token into `token_
 next step's decode rows read their input token from there. The host reads the step's outputs one step
 late (`StepHandle.fetch`), after it has launched the next step.
 
-A step program picks each row's greedy token. When a row of the step samples (temperature > 0, known on
-the host from the requests), the runner launches a second, small program after it, the sampler for the
-step's row count, which draws those rows' tokens from the step's logits and overwrites them in
-`token_state`. Nothing in either program depends on a device value the host must read: a `lax.cond` on
-"does any row sample" made XLA's GPU runtime wait for the device inside every launch.
+A step program picks each row's greedy token and its logprob. Two small "row programs" per output row
+count (B + P) follow it when the host, from the requests, knows they are needed: the sampler, when a row
+samples (temperature > 0), draws those rows' tokens from the step's logits and overwrites them in
+`token_state`; the top-logprobs program, when a row asks for top logprobs, runs the full-vocabulary top-k
+(a sort in XLA) that other steps skip. Nothing in any program depends on a device value the host must
+read: a `lax.cond` on "does any row sample" made XLA's GPU runtime wait for the device inside every launch.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
 from qwen35_jax.cache import CacheSpec, new_cache
 from qwen35_jax.kernels import Mixers
 from qwen35_jax.model import ModelDef, forward
-from qwen35_jax.serving.device_sampling import SamplingRows, greedy, resample
+from qwen35_jax.serving.device_sampling import SamplingRows, greedy, resample, top_logprobs
 from qwen35_jax.serving.plan import StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE
 
@@ -71,9 +72,9 @@ class Buckets:
             chunk=power_of_two_buckets(max_prefill_tokens, smallest=min(16, max_prefill_tokens)),
         )
 
-    def sampler_rows(self) -> list[int]:
-        """The output row counts (B + P) of the step programs: one sampler program each."""
-        return sorted({b + p for b, p, _ in self.keys()})
+    def row_programs(self) -> list[tuple[str, int]]:
+        """(kind, output rows B + P) of every row program: a sampler and a top-logprobs program per row count."""
+        return [(kind, r) for kind in ROW_PROGRAMS for r in sorted({b + p for b, p, _ in self.keys()})]
 
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (B, P, T) program: decode-only, prefill-only and unified."""
@@ -90,13 +91,16 @@ class Buckets:
         return b, bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, self.chunk)
 
 
-def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, num_top: int, param_leaves, *args):
-    return engine_step(model, mixer_set, num_top, jax.tree.unflatten(treedef, param_leaves), *args)
+ROW_PROGRAMS = ("sample", "top")
 
 
-def engine_step(model: ModelDef, mixer_set: Mixers, num_top: int, params, cache, token_state, inputs):
+def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, param_leaves, *args):
+    return engine_step(model, mixer_set, jax.tree.unflatten(treedef, param_leaves), *args)
+
+
+def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, inputs):
     """forward + greedy tokens; decode tokens come from token_state, the chosen tokens go back into it.
-    Returns (cache, token_state, (tokens, logprobs, top ids, top logprobs), logits for `sampler_step`)."""
+    Returns (cache, token_state, (tokens, their logprobs), logits for the row programs)."""
     slots = []
     if inputs.decode is not None:
         inputs = dataclasses.replace(
@@ -106,9 +110,9 @@ def engine_step(model: ModelDef, mixer_set: Mixers, num_top: int, params, cache,
     if inputs.prefill is not None:
         slots.append(inputs.prefill.slots)
     logits, cache = forward(model, params, cache, inputs, mixer_set)
-    tokens, chosen, top_ids, top_lp = greedy(logits, num_top)
+    tokens, chosen = greedy(logits)
     token_state = token_state.at[jnp.concatenate(slots)].set(tokens)
-    return cache, token_state, (tokens, chosen, top_ids, top_lp), logits
+    return cache, token_state, (tokens, chosen), logits
 
 
 def sampler_step(logits, rows: SamplingRows, token_state, slots, tokens):
@@ -132,9 +136,10 @@ class StepHandle:
         yield from enumerate(self.plan.decode)
         yield from ((self.key[0] + j, chunk) for j, chunk in enumerate(self.plan.prefill))
 
-    def fetch(self) -> tuple[np.ndarray, ...]:
-        """Blocks until the step is done; (tokens [R], logprob [R], top ids [R, N], top logprobs [R, N])."""
-        return tuple(np.asarray(x) for x in self.outputs)
+    def fetch(self) -> tuple[np.ndarray | None, ...]:
+        """Blocks until the step is done; (tokens [R], logprob [R], top ids [R, N], top logprobs [R, N]), the
+        top ones None when no row of the step asked for top logprobs."""
+        return tuple(None if x is None else np.asarray(x) for x in self.outputs)
 
 
 class Runner:
@@ -151,23 +156,23 @@ class Runner:
         self.executables: dict[tuple[int, int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self.temp_bytes: dict[tuple[int, int, int], int] = {}  # device scratch of each program
-        self.sampler_executables: dict[int, object] = {}  # by output rows B + P
-        self.sampler_compile_seconds: dict[int, float] = {}
+        self.row_executables: dict[tuple[str, int], object] = {}  # by (ROW_PROGRAMS kind, output rows B + P)
+        self.row_compile_seconds: dict[tuple[str, int], float] = {}
         # The programs take the weights as a flat list: flattening the nnx tree runs Python per variable, which
         # at 4B with --layer-loop unstacked (426 arrays) cost ~0.35 ms of host time per step on this CPU.
         self._param_leaves, treedef = jax.tree.flatten(params)
-        self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set, num_top_logprobs),
-                               donate_argnums=(1, 2))  # fmt: skip
-        self._sampler_jitted = jax.jit(sampler_step, donate_argnums=(2,))
+        self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set), donate_argnums=(1, 2))
+        self._row_jitted = {"sample": jax.jit(sampler_step, donate_argnums=(2,)),
+                            "top": jax.jit(partial(top_logprobs, num_top=num_top_logprobs))}  # fmt: skip
 
     @property
     def num_compiles(self) -> int:
-        """Step programs compiled (the samplers are counted apart, in num_sampler_compiles)."""
+        """Step programs compiled (the row programs are counted apart, in num_row_compiles)."""
         return len(self.compile_seconds)
 
     @property
-    def num_sampler_compiles(self) -> int:
-        return len(self.sampler_compile_seconds)
+    def num_row_compiles(self) -> int:
+        return len(self.row_compile_seconds)
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def _page_table(self, rows: list[tuple[int, ...]], pad_to: int) -> np.ndarray:
@@ -213,25 +218,32 @@ class Runner:
     def _lower(self, key):
         return self._jitted.lower(self._param_leaves, self.cache, self.token_state, self._abstract_inputs(key))
 
-    def _lower_sampler(self, r: int):
+    def _lower_row_program(self, key: tuple[str, int]):
+        kind, r = key
         i32, f32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32), partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+        logits = f32((r, self.model_def.cfg.vocab_size))
+        if kind == "top":
+            return self._row_jitted["top"].lower(logits, i32((r,)))
         rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)),
                             jax.ShapeDtypeStruct((r,), jnp.uint32), i32((r,)))  # fmt: skip
-        logits = f32((r, self.model_def.cfg.vocab_size))
-        return self._sampler_jitted.lower(logits, rows, self.token_state, i32((r,)), i32((r,)))
+        return self._row_jitted["sample"].lower(logits, rows, self.token_state, i32((r,)), i32((r,)))
 
-    def _compile_sampler_lowered(self, r: int, lowered, lower_seconds: float) -> object:
+    def _compile_row_lowered(self, key: tuple[str, int], lowered, lower_seconds: float) -> object:
         start = time.perf_counter()
         executable = lowered.compile(compiler_options=self.compiler_options or None)
-        self.sampler_executables[r] = executable
-        self.sampler_compile_seconds[r] = lower_seconds + time.perf_counter() - start
-        log.info("compiled sampler R=%d in %.2fs", r, self.sampler_compile_seconds[r])
+        self.row_executables[key] = executable
+        self.row_compile_seconds[key] = lower_seconds + time.perf_counter() - start
+        log.info("compiled %s R=%d in %.2fs", *key, self.row_compile_seconds[key])
         return executable
 
-    def compile_sampler(self, r: int) -> object:
-        start = time.perf_counter()
-        lowered = self._lower_sampler(r)
-        return self._compile_sampler_lowered(r, lowered, time.perf_counter() - start)
+    def row_program(self, kind: str, r: int) -> object:
+        """The compiled row program (compiled now if it was not: a test asserts that serving never does)."""
+        key = (kind, r)
+        if key not in self.row_executables:
+            start = time.perf_counter()
+            lowered = self._lower_row_program(key)
+            self._compile_row_lowered(key, lowered, time.perf_counter() - start)
+        return self.row_executables[key]
 
     def _compile_lowered(self, key, lowered, lower_seconds: float) -> object:
         start = time.perf_counter()
@@ -257,9 +269,9 @@ class Runner:
         from the start: lowering overlaps the compiles, so the bar moves while programs are still lowered."""
         start = time.perf_counter()
         keys = [key for key in self.buckets.keys() if key not in self.executables]
-        samplers = [r for r in self.buckets.sampler_rows() if r not in self.sampler_executables]
+        rows = [key for key in self.buckets.row_programs() if key not in self.row_executables]
         jobs = [(key, self._lower, self._compile_lowered) for key in keys]
-        jobs += [(r, self._lower_sampler, self._compile_sampler_lowered) for r in samplers]
+        jobs += [(key, self._lower_row_program, self._compile_row_lowered) for key in rows]
         workers = workers or min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
         bar = progress(len(jobs)) if progress is not None else None
         try:
@@ -285,25 +297,30 @@ class Runner:
         key = self.buckets.key_for(plan)
         executable = self.executables.get(key) or self.compile(key)
         inputs = self.inputs_for(plan, key)
-        self.cache, self.token_state, outputs, logits = executable(
+        self.cache, self.token_state, (tokens, chosen), logits = executable(
             self._param_leaves, self.cache, self.token_state, inputs
         )
         if any(row.temperature > 0 for row in sampling):
-            outputs = self._sample(plan, key, inputs, sampling, logits, outputs)
+            tokens, chosen = self._sample(plan, key, inputs, sampling, logits, tokens)
+        top_ids = top_lp = None
+        if any(row.logprobs for row in sampling):
+            chosen, top_ids, top_lp = self.row_program("top", key[0] + key[1])(logits, tokens)
+        outputs = (tokens, chosen, top_ids, top_lp)
         for output in outputs:  # start the device-to-host copies now; the host reads them a step later
-            output.copy_to_host_async()
+            if output is not None:
+                output.copy_to_host_async()
         return StepHandle(plan, key, outputs, time.perf_counter())
 
-    def _sample(self, plan: StepPlan, key, inputs: StepInputs, sampling: list, logits, outputs) -> tuple:
+    def _sample(self, plan: StepPlan, key, inputs: StepInputs, sampling: list, logits, tokens) -> tuple:
         """Launches the sampler after the step: the sampled rows' tokens replace the greedy ones."""
         num_decode, rows_total = len(plan.decode), key[0] + key[1]
         # Output rows are [B decode bucket | P prefill bucket]: pad each side to its bucket.
         padded = [*sampling[:num_decode], *[None] * (key[0] - num_decode), *sampling[num_decode:]]
         rows = SamplingRows.from_rows(padded, rows_total)
         slots = np.concatenate([side.slots for side in (inputs.decode, inputs.prefill) if side is not None])
-        sampler = self.sampler_executables.get(rows_total) or self.compile_sampler(rows_total)
-        self.token_state, tokens, chosen = sampler(logits, rows, self.token_state, slots, outputs[0])
-        return (tokens, chosen, *outputs[2:])
+        sampler = self.row_program("sample", rows_total)
+        self.token_state, tokens, chosen = sampler(logits, rows, self.token_state, slots, tokens)
+        return tokens, chosen
 
     def cache_lost(self) -> bool:
         """True when a failed step consumed the donated caches."""

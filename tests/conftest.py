@@ -83,8 +83,8 @@ def engine_leaks(engine, compiled_ahead: bool) -> list[str]:
     if compiled_ahead and set(engine.runner.compile_seconds) != set(engine.runner.buckets.keys()):
         extra = set(engine.runner.compile_seconds) - set(engine.runner.buckets.keys())
         problems.append(f"compiled programs outside the bucket set: {sorted(extra)}")
-    if compiled_ahead and set(engine.runner.sampler_compile_seconds) != set(engine.runner.buckets.sampler_rows()):
-        problems.append(f"sampler programs outside the bucket set: {sorted(engine.runner.sampler_compile_seconds)}")
+    if compiled_ahead and set(engine.runner.row_compile_seconds) != set(engine.runner.buckets.row_programs()):
+        problems.append(f"row programs outside the bucket set: {sorted(engine.runner.row_compile_seconds)}")
     return problems
 
 

@@ -143,7 +143,7 @@ def test_xla_options_reach_every_compile(tiny_model):
 
     engine = build_engine(tiny_model, config((("xla_cpu_enable_fast_math", False),)))
     assert engine.runner.compiler_options == {"xla_cpu_enable_fast_math": False}
-    assert engine.runner.num_compiles == 3 and engine.runner.num_sampler_compiles == 2
+    assert engine.runner.num_compiles == 3 and engine.runner.num_row_compiles == 4
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
         build_engine(tiny_model, config((("xla_no_such_option", 1),)))
     with pytest.raises(ValueError, match="--xla-option"):

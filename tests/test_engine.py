@@ -481,21 +481,22 @@ def test_threaded_loop_serves_aborts_and_shuts_down(tiny_model, engines):
 
 def test_serving_compiles_nothing_new(engine, monkeypatch):
     """A workload that runs every bucket program (prefill-only, decode-only and unified, at every B and T)
-    and every sampler program (sampled decoders at every output row count) compiles nothing: no new runner
-    program and no XLA compile or cache load at all."""
+    and every row program (sampled decoders and top logprobs at every output row count) compiles nothing: no
+    new runner program and no XLA compile or cache load at all."""
     runner = engine.runner
     assert set(runner.compile_seconds) == set(runner.buckets.keys()) and runner.num_compiles == 15
-    assert set(runner.sampler_compile_seconds) == set(runner.buckets.sampler_rows()) == {1, 2, 3, 4, 5}
+    every_row_program = {(kind, r) for kind in ("sample", "top") for r in (1, 2, 3, 4, 5)}
+    assert set(runner.row_compile_seconds) == set(runner.buckets.row_programs()) == every_row_program
     before = runner.num_compiles
     backend_compiles = []
-    sampler_rows = []
-    sample = runner._sample
+    row_programs_used = []
+    row_program = runner.row_program
 
-    def spy_sample(plan, key, *args):
-        sampler_rows.append(key[0] + key[1])
-        return sample(plan, key, *args)
+    def spy_row_program(kind, r):
+        row_programs_used.append((kind, r))
+        return row_program(kind, r)
 
-    monkeypatch.setattr(runner, "_sample", spy_sample)
+    monkeypatch.setattr(runner, "row_program", spy_row_program)
 
     def on_event(event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT:
@@ -526,9 +527,9 @@ def test_serving_compiles_nothing_new(engine, monkeypatch):
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert set(spy.keys) == set(runner.buckets.keys())  # every program served a real step
-    assert set(sampler_rows) == set(runner.buckets.sampler_rows())  # and every sampler
+    assert set(row_programs_used) == every_row_program  # and every row program
     assert runner.num_compiles == before and set(runner.compile_seconds) == set(runner.buckets.keys())
-    assert set(runner.sampler_compile_seconds) == set(runner.buckets.sampler_rows())
+    assert set(runner.row_compile_seconds) == every_row_program
     assert backend_compiles == []
     assert all(o.error is None for outputs in collector.outputs.values() for o in outputs)
 
@@ -813,7 +814,34 @@ def test_programs_have_no_device_branch(engine):
     copying its predicate to the host and waiting for it inside the launch, so a branch would make the host
     wait for the step it just launched (what the "any row samples" lax.cond did; docs/performance.md)."""
     runner = engine.runner
-    programs = [*runner.executables.values(), *runner.sampler_executables.values()]
-    assert len(programs) == len(runner.buckets.keys()) + len(runner.buckets.sampler_rows())
+    programs = [*runner.executables.values(), *runner.row_executables.values()]
+    assert len(programs) == len(runner.buckets.keys()) + len(runner.buckets.row_programs())
     for program in programs:
         assert " conditional(" not in program.as_text()
+
+
+def test_top_logprobs_run_only_when_asked(engine, monkeypatch):
+    """The full-vocabulary top-k runs only in steps where a request asked for top logprobs: without logprobs,
+    or with logprobs=0 (the chosen token's only), no row program runs for a greedy request; the tokens and the
+    chosen logprobs are those of a request that asked for the top 3, to 1e-5: the same formula compiled in two
+    programs sums the vocabulary's (512 terms here) fp32 logsumexp in another order (a few ulps of |logprob| ~ 6)."""
+    used = []
+    row_program = engine.runner.row_program
+
+    def spy(kind, r):
+        used.append(kind)
+        return row_program(kind, r)
+
+    monkeypatch.setattr(engine.runner, "row_program", spy)
+    p = prompt(20, seed=500)
+    plain, chosen_only = generate(
+        engine, [(p, GenerationParams(6, ignore_eos=True))] * 1 + [(p, greedy(6, logprobs=0))]
+    )
+    assert used == []
+    assert plain.logprobs == [] and [lp.top for lp in chosen_only.logprobs] == [[]] * 6
+    with_top = generate(engine, [(p, greedy(6, logprobs=3))])[0]
+    assert used and set(used) == {"top"}
+    assert plain.token_ids == chosen_only.token_ids == with_top.token_ids
+    for a, b in zip(chosen_only.logprobs, with_top.logprobs, strict=True):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-5 and len(b.top) == 3
+        assert b.top[0] == (b.token_id, b.logprob)  # greedy: the chosen token heads the list, same value
