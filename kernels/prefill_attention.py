@@ -85,9 +85,15 @@ def paged_prefill_attention_ref(q, k_pages, v_pages, layer, page_table, start, l
 # bf16 ulp from the reference in bf16, summation order (~1e-6) in fp32.
 
 
+def _q_block(index, num_q_blocks: int, heavy_first: bool):
+    """The query block a grid index works on: in order, or last block first (see `heavy_first`)."""
+    return num_q_blocks - 1 - index if heavy_first else index
+
+
 def _prefill_kernel(layer_ref, start_ref, lengths_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
-                    *, block_k: int, scale: float):  # fmt: skip
-    row, kv_head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+                    *, block_k: int, scale: float, num_q_blocks: int, heavy_first: bool):  # fmt: skip
+    row, kv_head = pl.program_id(0), pl.program_id(1)
+    q_block = _q_block(pl.program_id(2), num_q_blocks, heavy_first)
     block_q, group, dim = q_ref.shape
     start, length, layer = start_ref[row], lengths_ref[row], layer_ref[0]
     q = q_ref[...].reshape(block_q * group, dim)  # tile row r: query r // group, head r % group
@@ -128,10 +134,13 @@ PREFILL_TUNING = {2: (128, 64), 4: (32, 16)}
 
 def paged_prefill_attention_pallas(q, k_pages, v_pages, layer, page_table, start, lengths, *, interpret=False,
                                    block_q: int | None = None, block_k: int | None = None, num_warps: int = 8,
-                                   num_stages: int = 2):  # fmt: skip
+                                   num_stages: int = 2, heavy_first: bool = False):  # fmt: skip
     """Pallas version of `paged_prefill_attention_ref` (same arguments; valid queries give the same result,
     padding queries give finite values nobody reads). block_q (queries per program), block_k (keys per
-    step), num_warps and num_stages tune it; None takes PREFILL_TUNING's value for q's dtype."""
+    step), num_warps and num_stages tune it; None takes PREFILL_TUNING's value for q's dtype.
+    heavy_first maps the grid's query-block axis backwards, so the blocks that see the most keys (the
+    chunk's last) start first and the short ones fill the tail of the causal triangle, as flash-attention
+    schedules causal work; an option for the tuning sweep, not yet measured on the GPU."""
     tile_rows, default_block_k = PREFILL_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
     rows, chunk, heads, dim = q.shape
     kv_heads = k_pages.shape[3]
@@ -141,11 +150,15 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, layer, page_table, start
     block_k = block_k or default_block_k
     chunk_padded = pl.cdiv(chunk, block_q) * block_q
     qg = pad_to(q.reshape(rows, chunk, kv_heads, group, dim), (rows, chunk_padded, kv_heads, group_padded, dim))
-    tile = pl.BlockSpec((None, block_q, None, group_padded, dim), lambda p, h, i: (p, i, h, 0, 0))
+    num_q_blocks = chunk_padded // block_q
+    tile = pl.BlockSpec((None, block_q, None, group_padded, dim),
+                        lambda p, h, i: (p, _q_block(i, num_q_blocks, heavy_first), h, 0, 0))  # fmt: skip
     whole = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
-        functools.partial(_prefill_kernel, block_k=block_k, scale=dim**-0.5),
-        grid=(rows, kv_heads, chunk_padded // block_q),
+        functools.partial(
+            _prefill_kernel, block_k=block_k, scale=dim**-0.5, num_q_blocks=num_q_blocks, heavy_first=heavy_first
+        ),
+        grid=(rows, kv_heads, num_q_blocks),
         in_specs=[whole, whole, whole, whole, tile, whole, whole],
         out_specs=tile,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),

@@ -164,20 +164,20 @@ def compare_prefill(out, ref, lengths, dtype):
 
 
 @pytest.mark.parametrize(
-    "page_size, block_q, block_k",
-    [(16, None, 16), (8, 4, 16), (32, 8, 8)],
-    ids=["ps16-default-q-block", "ps8-small-q-blocks", "ps32-small-k-blocks"],
+    "page_size, block_q, block_k, heavy_first",
+    [(16, None, 16, False), (8, 4, 16, False), (32, 8, 8, False), (8, 4, 16, True)],
+    ids=["ps16-default-q-block", "ps8-small-q-blocks", "ps32-small-k-blocks", "ps8-small-q-blocks-heavy-first"],
 )
-def test_prefill_matches_ref_on_ragged_rows(page_size, block_q, block_k):
+def test_prefill_matches_ref_on_ragged_rows(page_size, block_q, block_k, heavy_first):
     """A fresh prompt filling the chunk; a chunk starting 3 tokens before a page boundary with a ragged
     length; a one-token chunk after a long prefix; a padding row. The chunk (24) is no multiple of the
-    query block, so the wrapper pads it."""
+    query block, so the wrapper pads it. heavy_first walks the query blocks backwards: same result."""
     rng = np.random.default_rng(page_size)
     chunk = 24
     starts, lengths = [0, page_size - 3, 2 * page_size + 7, 0], [chunk, chunk - 5, 1, 0]
     args = prefill_case(rng, starts, lengths, chunk, heads=8, kv_heads=2, dim=32, page_size=page_size,
                         dtype=jnp.float32)  # fmt: skip
-    out = run_prefill(args, block_q=block_q, block_k=block_k)
+    out = run_prefill(args, block_q=block_q, block_k=block_k, heavy_first=heavy_first)
     compare_prefill(out, paged_prefill_attention_ref(*args), lengths, jnp.float32)
 
 
