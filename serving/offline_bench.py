@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 
@@ -253,10 +254,14 @@ def main(argv=None) -> None:
               "gdn_state": args.gdn_state, "xla_options": args.xla_option or [], "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)
+    _save(args.result_json, result)
     print("scratch bytes", {str(k): v for k, v in engine.runner.temp_bytes.items()}, flush=True)
     print("cache bytes", {n: getattr(engine.runner.cache, n).nbytes for n in ("k_pages", "ssm", "conv")}, flush=True)
     if not args.ready_only:
-        result["decode"] = [bench_decode(engine, model.config, b, args.context, args.steps, rng) for b in batches]
+        result["decode"] = []
+        for b in batches:
+            result["decode"].append(bench_decode(engine, model.config, b, args.context, args.steps, rng))
+            _save(args.result_json, result)
         print(json.dumps(result["decode"]), flush=True)
     result["compile_seconds_decode_engine"] = {str(k): v for k, v in engine.runner.compile_seconds.items()}
     result["scratch_bytes_decode_engine"] = {str(k): v for k, v in engine.runner.temp_bytes.items()}
@@ -264,14 +269,22 @@ def main(argv=None) -> None:
     if args.max_batch_search and not args.ready_only:
         result["largest_batch"], result["largest_batch_failure"] = search_largest_batch(args, model, rng)
         print(json.dumps({k: result[k] for k in ("largest_batch", "largest_batch_failure")}), flush=True)
+        _save(args.result_json, result)
     if not args.ready_only:
         engine, result["compile_s_prefill_engine"] = build(args, model, [1], chunks, chunks[-1] + 16)
         result["prefill"] = [bench_prefill(engine, model.config, t, 3, rng) for t in chunks]
         print(json.dumps(result["prefill"]), flush=True)
         result["compile_seconds_prefill_engine"] = {str(k): v for k, v in engine.runner.compile_seconds.items()}
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=2)
+    _save(args.result_json, result)
+
+
+def _save(path: str | None, result: dict) -> None:
+    """The result so far, rewritten after every phase: a run stopped by a time limit keeps what it measured."""
+    if path is None:
+        return
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(f"{path}.tmp", path)
 
 
 if __name__ == "__main__":

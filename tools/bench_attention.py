@@ -30,10 +30,10 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import sys
 
 import numpy as np
+from bench_io import save_json
 from jax_timing import best_seconds
 
 from qwen35_jax.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S
@@ -284,9 +284,7 @@ def main(argv=None) -> int:
             for row in dense_baseline_rows(case, shape, args):
                 results.append(row)
                 print(format_row(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        save_json(args.json, results)
     return 0
 
 

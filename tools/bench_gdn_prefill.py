@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 
+from bench_io import save_json
 from jax_timing import best_seconds
 
 from qwen35_jax.roofline import BF16_FLOPS_PER_S as PEAK_FLOPS
@@ -246,9 +246,7 @@ def main() -> None:
         for tokens in args.tokens:
             results.append(bench_case(args, rows, tokens))
             print(report(results[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            save_json(args.json, results)
 
 
 if __name__ == "__main__":

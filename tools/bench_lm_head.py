@@ -13,9 +13,9 @@ XLA cannot merge the calls.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from bench_io import save_json
 from jax_timing import best_seconds
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
@@ -87,9 +87,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"batch {batch:4d} {name:18s} triton_gemm={triton_gemm!s:5s} {row['us']:8.1f} us  "
                       f"floor {row['floor_us']:6.1f} us  {row['roofline_pct']:5.1f}% of roofline", flush=True)  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+                save_json(args.json, rows)
     return 0
 
 
