@@ -359,12 +359,12 @@ def _walk_specs(seq: int, dk: int, block_v: int, ratio: int) -> tuple:
     )
 
 
-def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int, int], exact: bool, interpret: bool):
+def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int, ...], exact: bool, interpret: bool):
     """The sequential pass over chunks; returns o [P, T, nv, dv] and the new state [P, nv, dk, dv]."""
     num_rows, num_heads, seq, dv = u.shape
     dk = q.shape[-1]
     ratio = num_heads // q.shape[2]
-    block_v, num_warps = tiling
+    block_v, num_warps, num_stages = tiling
     lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec = _walk_specs(seq, dk, block_v, ratio)
     return pl.pallas_call(
         functools.partial(_state_pass_kernel, exact=exact, scale=dk**-0.5),
@@ -376,19 +376,19 @@ def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int,
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
         input_output_aliases={6: 1},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gdn_prefill_state_pass",
     )(lengths, q, k, w, u, gamma, state)
 
 
-def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, int], exact: bool, interpret: bool):
+def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, ...], exact: bool, interpret: bool):
     """The sequential pass, state only; returns each chunk's start state [P, nv, n, dk, dv] and V' [P, nv, T, dv]
     (both in u's dtype: the matmul operand dtype) and the new state [P, nv, dk, dv] (fp32)."""
     num_rows, num_heads, seq, dv = u.shape
     dk = k.shape[-1]
     ratio = num_heads // k.shape[2]
-    block_v, num_warps = tiling
+    block_v, num_warps, num_stages = tiling
     lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec = _walk_specs(seq, dk, block_v, ratio)
     return pl.pallas_call(
         functools.partial(_chunk_states_kernel, exact=exact),
@@ -405,7 +405,7 @@ def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, int], exact
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
         input_output_aliases={5: 2},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="gdn_prefill_chunk_states",
     )(lengths, k, w, u, gamma, state)
@@ -462,7 +462,19 @@ def _default_num_warps(block_v: int, output_pass: str) -> int:
 
 
 def gdn_chunked_prefill_pallas(
-    q, k, v, g, beta, state, lengths, *, interpret=False, block_v=None, num_warps=None, output_pass="parallel"
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    lengths,
+    *,
+    interpret=False,
+    block_v=None,
+    num_warps=None,
+    num_stages=None,
+    output_pass="parallel",
 ):
     """Pallas form of `gdn_chunked_prefill_ref`: same layouts, math and result dtypes.
 
@@ -471,7 +483,8 @@ def gdn_chunked_prefill_pallas(
     pallas_call (n_chunks * dk * dv states per row and value head in between, in the operand dtype). "parallel" is
     the default: 0.187 / 0.351 / 0.656 ms against "fused" 0.218 / 0.406 / 0.791 ms at 1k / 2k / 4k tokens, 4B heads,
     one row, bf16, on the H200 (`tools/bench_gdn_prefill.py --output-pass fused parallel`, docs/kernels.md).
-    block_v / num_warps tile the sequential pass (dv slice per program, warps per program); None picks defaults.
+    block_v / num_warps / num_stages tile the sequential pass (dv slice per program, warps per program, Triton's
+    software-pipelining depth of its chunk loop); None picks defaults (num_stages 2).
 
     The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.
     dk and dv must be powers of two >= 16 (Triton tiles); T any length (padded to a multiple of 64 inside).
@@ -484,7 +497,7 @@ def gdn_chunked_prefill_pallas(
     assert all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv)), f"dk={dk}, dv={dv}: powers of two >= 16"
     exact = q.dtype == jnp.float32
     block_v = block_v or _default_block_v(num_rows, num_heads, dv)
-    tiling = (block_v, num_warps or _default_num_warps(block_v, output_pass))
+    tiling = (block_v, num_warps or _default_num_warps(block_v, output_pass), num_stages or 2)
     pad = (-seq) % CHUNK
     if pad:
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))

@@ -153,8 +153,10 @@ def bench_case(args, rows: int, tokens: int) -> dict:
     result = {"rows": rows, "tokens": tokens, "dtype": args.dtype, "gflop": flops / 1e9, "mbytes": nbytes / 1e6}
     result["ref_ms"] = 1e3 * timing(jax.jit(gdn_chunked_prefill_ref), inputs)
     out_ref, _ = jax.jit(gdn_chunked_prefill_ref)(*inputs)
-    for output_pass, block_v, num_warps in itertools.product(args.output_pass, args.block_v, args.num_warps):
-        tiling = {"block_v": block_v, "num_warps": num_warps or None, "output_pass": output_pass}
+    configs = itertools.product(args.output_pass, args.block_v, args.num_warps, args.num_stages)
+    for output_pass, block_v, num_warps, num_stages in configs:
+        tiling = {"block_v": block_v, "num_warps": num_warps or None, "num_stages": num_stages or None,
+                  "output_pass": output_pass}  # fmt: skip
         kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, **tiling))
         seconds = timing(kernel, inputs)
         out, _ = kernel(*inputs)
@@ -166,7 +168,8 @@ def bench_case(args, rows: int, tokens: int) -> dict:
             else 0
         )
         stages = kernel_stages(kernel, inputs, args.iters, args.profile) if args.profile else None
-        result[f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"] = {
+        name = f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"
+        result[name + ("" if not num_stages else f" num_stages={num_stages}")] = {
             "kernel_ms_per_call": stages,
             "output_pass": output_pass,
             "ms": 1e3 * seconds,
@@ -226,6 +229,7 @@ def main() -> None:
     parser.add_argument("--dv", type=int, default=128)
     parser.add_argument("--block-v", type=int, nargs="+", default=[32, 64], help="dv slice of the sequential pass")
     parser.add_argument("--num-warps", type=int, nargs="+", default=[0], help="of the sequential pass; 0: default")
+    parser.add_argument("--num-stages", type=int, nargs="+", default=[0], help="of the sequential pass; 0: default")
     parser.add_argument(
         "--output-pass", nargs="+", default=["fused", "parallel"], choices=["fused", "parallel"],
         help="output inside the sequential pass (fused) or in a parallel third pallas_call (parallel)",
