@@ -314,7 +314,7 @@ def _chunk_output_kernel(
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _wy_prep(k, v, g, beta, lengths, exact: bool, interpret: bool):
+def _wy_prep(k, v, g, beta, lengths, exact: bool, interpret: bool, num_warps: int = 8):
     """k [P, T, nk, dk], v [P, T, nv, dv], g/beta [P, T, nv] -> w [P, nv, T, dk], u [P, nv, T, dv], gamma [P, nv, T]."""
     num_rows, seq, num_heads, dv = v.shape
     dk = k.shape[-1]
@@ -340,7 +340,7 @@ def _wy_prep(k, v, g, beta, lengths, exact: bool, interpret: bool):
             jax.ShapeDtypeStruct((num_rows, num_heads, seq, dv), store),
             jax.ShapeDtypeStruct((num_rows, num_heads, seq), jnp.float32),
         ],
-        compiler_params=plt.CompilerParams(num_warps=8, num_stages=2),  # 4 warps spill (ptxas, sm_90)
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),  # 8: 4 warps spill (ptxas, sm_90)
         interpret=interpret,
         name="gdn_prefill_wy_prep",
     )(lengths, k, v, g, beta)
@@ -417,7 +417,8 @@ OUTPUT_BLOCK_V = 64
 OUTPUT_NUM_WARPS = 4
 
 
-def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, exact: bool, interpret: bool):
+def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, exact: bool, interpret: bool,
+                   num_warps: int = OUTPUT_NUM_WARPS):  # fmt: skip
     """The parallel output pass: one program per (row, value head, chunk, dv slice); returns o [P, T, nv, dv]."""
     num_rows, num_heads, seq, dv = v_new.shape
     dk = q.shape[-1]
@@ -437,7 +438,7 @@ def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, exact: bool, 
         ],
         out_specs=pl.BlockSpec((None, CHUNK, None, block_v), lambda p, h, c, j: (p, c, h, j)),
         out_shape=jax.ShapeDtypeStruct((num_rows, seq, num_heads, dv), out_dtype),
-        compiler_params=plt.CompilerParams(num_warps=OUTPUT_NUM_WARPS, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="gdn_prefill_chunk_output",
     )(lengths, q, k, gamma, states, v_new)
@@ -475,6 +476,8 @@ def gdn_chunked_prefill_pallas(
     num_warps=None,
     num_stages=None,
     output_pass="parallel",
+    prep_warps=None,
+    output_warps=None,
 ):
     """Pallas form of `gdn_chunked_prefill_ref`: same layouts, math and result dtypes.
 
@@ -484,7 +487,9 @@ def gdn_chunked_prefill_pallas(
     the default: 0.187 / 0.351 / 0.656 ms against "fused" 0.218 / 0.406 / 0.791 ms at 1k / 2k / 4k tokens, 4B heads,
     one row, bf16, on the H200 (`tools/bench_gdn_prefill.py --output-pass fused parallel`, docs/kernels.md).
     block_v / num_warps / num_stages tile the sequential pass (dv slice per program, warps per program, Triton's
-    software-pipelining depth of its chunk loop); None picks defaults (num_stages 2).
+    software-pipelining depth of its chunk loop); None picks defaults (num_stages 2). prep_warps / output_warps: warps of
+    the WY kernel (default 8) and of the parallel output kernel (default OUTPUT_NUM_WARPS), for tuning sweeps; fla
+    autotunes warps and stages of every one of its kernels per shape, these are fixed until measured.
 
     The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.
     dk and dv must be powers of two >= 16 (Triton tiles); T any length (padded to a multiple of 64 inside).
@@ -502,11 +507,12 @@ def gdn_chunked_prefill_pallas(
     if pad:
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, seq)
-    w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, exact, interpret)
+    w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, exact, interpret, prep_warps or 8)
     state = state.astype(jnp.float32)
     if output_pass == "fused":
         out, state = _state_pass(q, k, w, u, gamma, state, lengths, v.dtype, tiling, exact, interpret)
     else:
         states, v_new, state = _chunk_states(k, w, u, gamma, state, lengths, tiling, exact, interpret)
-        out = _chunk_outputs(q, k, gamma, states, v_new, lengths, v.dtype, exact, interpret)
+        out = _chunk_outputs(q, k, gamma, states, v_new, lengths, v.dtype, exact, interpret,
+                             output_warps or OUTPUT_NUM_WARPS)  # fmt: skip
     return out[:, :seq], state

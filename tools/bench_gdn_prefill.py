@@ -153,10 +153,11 @@ def bench_case(args, rows: int, tokens: int) -> dict:
     result = {"rows": rows, "tokens": tokens, "dtype": args.dtype, "gflop": flops / 1e9, "mbytes": nbytes / 1e6}
     result["ref_ms"] = 1e3 * timing(jax.jit(gdn_chunked_prefill_ref), inputs)
     out_ref, _ = jax.jit(gdn_chunked_prefill_ref)(*inputs)
-    configs = itertools.product(args.output_pass, args.block_v, args.num_warps, args.num_stages)
-    for output_pass, block_v, num_warps, num_stages in configs:
+    configs = itertools.product(args.output_pass, args.block_v, args.num_warps, args.num_stages, args.prep_warps,
+                                args.output_warps)  # fmt: skip
+    for output_pass, block_v, num_warps, num_stages, prep_warps, output_warps in configs:
         tiling = {"block_v": block_v, "num_warps": num_warps or None, "num_stages": num_stages or None,
-                  "output_pass": output_pass}  # fmt: skip
+                  "output_pass": output_pass, "prep_warps": prep_warps or None, "output_warps": output_warps or None}  # fmt: skip
         kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, **tiling))
         seconds = timing(kernel, inputs)
         out, _ = kernel(*inputs)
@@ -169,7 +170,8 @@ def bench_case(args, rows: int, tokens: int) -> dict:
         )
         stages = kernel_stages(kernel, inputs, args.iters, args.profile) if args.profile else None
         name = f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"
-        result[name + ("" if not num_stages else f" num_stages={num_stages}")] = {
+        extra = {"num_stages": num_stages, "prep_warps": prep_warps, "output_warps": output_warps}
+        result[name + "".join(f" {k}={v}" for k, v in extra.items() if v)] = {
             "kernel_ms_per_call": stages,
             "output_pass": output_pass,
             "ms": 1e3 * seconds,
@@ -230,6 +232,8 @@ def main() -> None:
     parser.add_argument("--block-v", type=int, nargs="+", default=[32, 64], help="dv slice of the sequential pass")
     parser.add_argument("--num-warps", type=int, nargs="+", default=[0], help="of the sequential pass; 0: default")
     parser.add_argument("--num-stages", type=int, nargs="+", default=[0], help="of the sequential pass; 0: default")
+    parser.add_argument("--prep-warps", type=int, nargs="+", default=[0], help="of the WY kernel; 0: default")
+    parser.add_argument("--output-warps", type=int, nargs="+", default=[0], help="of the output kernel; 0: default")
     parser.add_argument(
         "--output-pass", nargs="+", default=["fused", "parallel"], choices=["fused", "parallel"],
         help="output inside the sequential pass (fused) or in a parallel third pallas_call (parallel)",
