@@ -86,11 +86,30 @@ def _random_prompt(rng, n: int, vocab: int) -> list[int]:
     return rng.integers(0, min(vocab, 248044), n).tolist()
 
 
+class BatchDoesNotFit(RuntimeError):
+    """The KV pool cannot hold every row's reservation at once, so the batch would never run in full."""
+
+
+def check_batch_fits(engine, batch: int, tokens_per_row: int) -> None:
+    """Raises BatchDoesNotFit before anything runs when `batch` reservations of `tokens_per_row` tokens (prompt +
+    max_tokens: what admission reserves) exceed the KV pool, or there are fewer GDN slots than rows."""
+    from qwen35_jax.serving.pools import pages_needed
+
+    scheduler = engine.scheduler
+    pages = batch * pages_needed(tokens_per_row, scheduler.page_pool.page_size)
+    if pages > scheduler.page_pool.num_total or batch > scheduler.slot_pool.num_total:
+        raise BatchDoesNotFit(
+            f"batch {batch} does not fit: {batch} x {tokens_per_row} reserved tokens need {pages} KV pages, the "
+            f"pool has {scheduler.page_pool.num_total}; {scheduler.slot_pool.num_total} GDN slots"
+        )
+
+
 def bench_decode(engine, cfg, batch: int, context: int, steps: int, rng) -> dict:
     from qwen35_jax.serving.engine import GenerationParams
 
     done = []
     max_tokens = batch + steps + 8  # every row is still decoding when the last prompt is in
+    check_batch_fits(engine, batch, context + max_tokens)
     for _ in range(batch):
         engine.submit(_random_prompt(rng, context, cfg.vocab_size), GenerationParams(max_tokens, ignore_eos=True),
                       lambda o: done.append(o) if o.finish_reason else None)  # fmt: skip
@@ -169,7 +188,7 @@ def parse_xla_options(items: list[str] | None) -> tuple:
     return tuple(options)
 
 
-OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "no room for the KV pool")
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "no room for the KV pool", "does not fit")
 
 
 def largest_batch(candidates: list[int], try_batch) -> tuple[dict | None, dict | None]:

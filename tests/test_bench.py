@@ -148,3 +148,27 @@ def test_xla_options_reach_every_compile(tiny_model):
         build_engine(tiny_model, config((("xla_no_such_option", 1),)))
     with pytest.raises(ValueError, match="--xla-option"):
         config((("gpu_enable_triton_gemm", 1),))
+
+
+def test_a_batch_the_kv_pool_cannot_hold_is_refused_before_it_runs(tiny_model):
+    """The largest-batch search must stop at a batch whose reservations exceed the KV pool (it would never
+    decode in full, and its steady steps would not exist), and count it as "does not fit", not as a bug."""
+    import pytest
+
+    from qwen35_jax.serving.factory import EngineConfig, build_engine
+    from qwen35_jax.serving.offline_bench import BatchDoesNotFit, check_batch_fits, largest_batch
+
+    engine = build_engine(tiny_model, EngineConfig(max_batch=4, max_prefill_tokens=16, max_model_len=64,
+                                                   num_pages=17, page_size=16, compile_cache=None), compile_now=False)  # fmt: skip
+    check_batch_fits(engine, 4, 64)  # 4 rows x 4 pages = the 16 allocatable pages
+    with pytest.raises(BatchDoesNotFit, match="does not fit"):
+        check_batch_fits(engine, 4, 65)  # 5 pages a row
+    with pytest.raises(BatchDoesNotFit, match="GDN slots"):
+        check_batch_fits(engine, 5, 16)  # 4 slots
+
+    def try_batch(batch):
+        check_batch_fits(engine, batch, 64)
+        return {"batch": batch}
+
+    best, failure = largest_batch([2, 4, 8], try_batch)
+    assert best == {"batch": 4} and failure["batch"] == 8 and "does not fit" in failure["error"]
