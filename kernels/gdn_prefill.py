@@ -359,24 +359,31 @@ def _walk_specs(seq: int, dk: int, block_v: int, ratio: int) -> tuple:
     )
 
 
+def _walk(k, u, tiling: tuple[int, ...]) -> tuple:
+    """What the two sequential passes share: their grid (row, value head, dv slice), `_walk_specs`, and the
+    compiler params of tiling (block_v, num_warps, num_stages)."""
+    num_rows, num_heads, seq, dv = u.shape
+    block_v, num_warps, num_stages = tiling
+    specs = _walk_specs(seq, k.shape[-1], block_v, num_heads // k.shape[2])
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return (num_rows, num_heads, dv // block_v), specs, params
+
+
 def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int, ...], exact: bool, interpret: bool):
     """The sequential pass over chunks; returns o [P, T, nv, dv] and the new state [P, nv, dk, dv]."""
     num_rows, num_heads, seq, dv = u.shape
-    dk = q.shape[-1]
-    ratio = num_heads // q.shape[2]
-    block_v, num_warps, num_stages = tiling
-    lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec = _walk_specs(seq, dk, block_v, ratio)
+    grid, (lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec), params = _walk(k, u, tiling)
     return pl.pallas_call(
-        functools.partial(_state_pass_kernel, exact=exact, scale=dk**-0.5),
-        grid=(num_rows, num_heads, dv // block_v),
+        functools.partial(_state_pass_kernel, exact=exact, scale=q.shape[-1] ** -0.5),
+        grid=grid,
         in_specs=[lengths_spec, row_major, row_major, w_spec, u_spec, gamma_spec, state_spec],
-        out_specs=[pl.BlockSpec((None, seq, None, block_v), lambda p, h, j: (p, 0, h, j)), state_spec],
+        out_specs=[pl.BlockSpec((None, seq, None, tiling[0]), lambda p, h, j: (p, 0, h, j)), state_spec],
         out_shape=[
             jax.ShapeDtypeStruct((num_rows, seq, num_heads, dv), out_dtype),
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
         input_output_aliases={6: 1},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=params,
         interpret=interpret,
         name="gdn_prefill_state_pass",
     )(lengths, q, k, w, u, gamma, state)
@@ -387,15 +394,13 @@ def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, ...], exact
     (both in u's dtype: the matmul operand dtype) and the new state [P, nv, dk, dv] (fp32)."""
     num_rows, num_heads, seq, dv = u.shape
     dk = k.shape[-1]
-    ratio = num_heads // k.shape[2]
-    block_v, num_warps, num_stages = tiling
-    lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec = _walk_specs(seq, dk, block_v, ratio)
+    grid, (lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec), params = _walk(k, u, tiling)
     return pl.pallas_call(
         functools.partial(_chunk_states_kernel, exact=exact),
-        grid=(num_rows, num_heads, dv // block_v),
+        grid=grid,
         in_specs=[lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec],
         out_specs=[
-            pl.BlockSpec((None, None, seq // CHUNK, dk, block_v), lambda p, h, j: (p, h, 0, 0, j)),
+            pl.BlockSpec((None, None, seq // CHUNK, dk, tiling[0]), lambda p, h, j: (p, h, 0, 0, j)),
             u_spec,  # V', laid out as u
             state_spec,
         ],
@@ -405,7 +410,7 @@ def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, ...], exact
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
         input_output_aliases={5: 2},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=params,
         interpret=interpret,
         name="gdn_prefill_chunk_states",
     )(lengths, k, w, u, gamma, state)
