@@ -273,14 +273,14 @@ def main(argv=None) -> None:
               "gdn_state": args.gdn_state, "xla_options": args.xla_option or [], "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)
-    _save(args.result_json, result)
+    save_json(args.result_json, result)
     print("scratch bytes", {str(k): v for k, v in engine.runner.temp_bytes.items()}, flush=True)
     print("cache bytes", {n: getattr(engine.runner.cache, n).nbytes for n in ("k_pages", "ssm", "conv")}, flush=True)
     if not args.ready_only:
         result["decode"] = []
         for b in batches:
             result["decode"].append(bench_decode(engine, model.config, b, args.context, args.steps, rng))
-            _save(args.result_json, result)
+            save_json(args.result_json, result)
         print(json.dumps(result["decode"]), flush=True)
     result["compile_seconds_decode_engine"] = {str(k): v for k, v in engine.runner.compile_seconds.items()}
     result["scratch_bytes_decode_engine"] = {str(k): v for k, v in engine.runner.temp_bytes.items()}
@@ -288,21 +288,23 @@ def main(argv=None) -> None:
     if args.max_batch_search and not args.ready_only:
         result["largest_batch"], result["largest_batch_failure"] = search_largest_batch(args, model, rng)
         print(json.dumps({k: result[k] for k in ("largest_batch", "largest_batch_failure")}), flush=True)
-        _save(args.result_json, result)
+        save_json(args.result_json, result)
     if not args.ready_only:
         engine, result["compile_s_prefill_engine"] = build(args, model, [1], chunks, chunks[-1] + 16)
         result["prefill"] = [bench_prefill(engine, model.config, t, 3, rng) for t in chunks]
         print(json.dumps(result["prefill"]), flush=True)
         result["compile_seconds_prefill_engine"] = {str(k): v for k, v in engine.runner.compile_seconds.items()}
-    _save(args.result_json, result)
+    save_json(args.result_json, result)
 
 
-def _save(path: str | None, result: dict) -> None:
-    """The result so far, rewritten after every phase: a run stopped by a time limit keeps what it measured."""
+def save_json(path: str | None, data) -> None:
+    """Write data to path (nothing when path is None) through a temporary file, so a kill mid-write leaves the
+    previous complete file. The benchmarks (this one and tools/bench_*.py) rewrite their results after every
+    case or phase with it: a run stopped by its time limit on the GPU host keeps what it measured."""
     if path is None:
         return
     with open(f"{path}.tmp", "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump(data, f, indent=1)
     os.replace(f"{path}.tmp", path)
 
 

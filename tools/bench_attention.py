@@ -33,10 +33,10 @@ import itertools
 import sys
 
 import numpy as np
-from bench_io import save_json
 from jax_timing import best_seconds
 
 from qwen35_jax.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S
+from qwen35_jax.serving.offline_bench import save_json
 
 MIN_POOL_BYTES = 256 * 2**20
 

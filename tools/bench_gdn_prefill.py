@@ -19,11 +19,11 @@ import argparse
 import functools
 import itertools
 
-from bench_io import save_json
 from jax_timing import best_seconds
 
 from qwen35_jax.roofline import BF16_FLOPS_PER_S as PEAK_FLOPS
 from qwen35_jax.roofline import HBM_BYTES_PER_S as PEAK_BYTES
+from qwen35_jax.serving.offline_bench import save_json
 
 CHUNK = 64
 

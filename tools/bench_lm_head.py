@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench_io import save_json
 from jax_timing import best_seconds
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
+from qwen35_jax.serving.offline_bench import save_json
 
 
 def formulations():
