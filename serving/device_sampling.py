@@ -63,10 +63,11 @@ def _draw(logits, rows: SamplingRows):
     return jnp.take_along_axis(order, rank[:, None], axis=-1)[:, 0]
 
 
-def _logprob_of(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """log softmax(logits)[token] per row, from one logsumexp (no [R, V] log-softmax written out)."""
+def _logprob_of(logits: jax.Array, tokens: jax.Array, lse: jax.Array | None = None) -> jax.Array:
+    """log softmax(logits)[token] per row, from one logsumexp (no [R, V] log-softmax written out); `lse` when the
+    caller already has it."""
     picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+    return picked - (jax.nn.logsumexp(logits, axis=-1) if lse is None else lse)
 
 
 def greedy(logits: jax.Array):
@@ -81,8 +82,7 @@ def top_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int):
     vocabulary is a sort in XLA, so the engine runs this only for steps where a request asked for top logprobs."""
     lse = jax.nn.logsumexp(logits, axis=-1)
     top_logits, top_ids = jax.lax.top_k(logits, num_top)
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-    return chosen, top_ids.astype(jnp.int32), top_logits - lse[:, None]
+    return _logprob_of(logits, tokens, lse), top_ids.astype(jnp.int32), top_logits - lse[:, None]
 
 
 def resample(logits: jax.Array, rows: SamplingRows, tokens: jax.Array):
@@ -97,8 +97,8 @@ def sample(logits: jax.Array, rows: SamplingRows, num_top: int):
 
     The engine does not call this: its step program ends with `greedy`, and the runner launches small
     programs with `resample` and `top_logprobs` only for steps that have a sampled row or a request for top
-    logprobs, choices the host makes from the requests' parameters. A `lax.cond` on the device (as this module had) makes XLA's GPU runtime copy the
-    predicate to the host and wait for it inside the launch, so the host waited for every step it launched
-    (H200 trace: 5.0 ms of a 9.7 ms launch, docs/performance.md)."""
+    logprobs, choices the host makes from the requests' parameters. A `lax.cond` on the device (as this
+    module had) makes XLA's GPU runtime copy the predicate to the host and wait for it inside the launch, so
+    the host waited for every step it launched (H200 trace: 5.0 ms of a 9.7 ms launch, docs/performance.md)."""
     tokens, _ = resample(logits, rows, greedy(logits)[0])
     return tokens, *top_logprobs(logits, tokens, num_top)
