@@ -109,7 +109,7 @@ def fla_graph_ms(run, iters: int, repeats: int) -> float | None:
 def kernel_stages(kernel, inputs, iters: int, trace_dir: str) -> dict[str, float]:
     """Device milliseconds per call of each kernel the program runs (a jax.profiler trace of `iters` calls)."""
     import jax
-    from device_trace import device_kernels, time_by_name
+    from device_trace import time_by_name, trace_events
 
     jax.block_until_ready(kernel(*inputs))
     jax.profiler.start_trace(trace_dir)
@@ -117,24 +117,21 @@ def kernel_stages(kernel, inputs, iters: int, trace_dir: str) -> dict[str, float
         out = kernel(*inputs)
     jax.block_until_ready(out)
     jax.profiler.stop_trace()
-    return time_by_name(device_kernels(trace_dir), iters, top=12)
+    return time_by_name(trace_events(trace_dir)[0], iters, top=12)
 
 
 def fla_stages(run, iters: int) -> dict[str, float]:
     """The same for fla, from torch.profiler's CUDA kernel events."""
-    import collections
-
     import torch
+    from device_trace import time_by_name
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             run()
         torch.cuda.synchronize()
-    by_name = collections.Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            by_name[event.name[:60]] += event.time_range.elapsed_us()
-    return {name: us / iters / 1e3 for name, us in by_name.most_common(12)}
+    kernels = [{"name": e.name, "dur": e.time_range.elapsed_us()} for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+    return time_by_name(kernels, iters, top=12)
 
 
 def bench_case(args, rows: int, tokens: int) -> dict:

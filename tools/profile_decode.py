@@ -16,18 +16,18 @@ import re
 import time
 
 import numpy as np
-from device_trace import device_kernels, host_events, time_by_name
+from device_trace import time_by_name, trace_events
 
 
 def summarise(trace_dir: str, steps: int, top: int) -> dict:
-    kernels = device_kernels(trace_dir)
+    kernels, host = trace_events(trace_dir)
     return {
         "kernels_per_step": len(kernels) / steps,
         "device_busy_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1e3,
         "top_kernels_ms_per_step": time_by_name(kernels, steps, top),
         # Where the host spends a step (nested events each count, so these overlap): a launch that blocks on
         # the device shows up here as a long PjRt execute or buffer wait.
-        "top_host_events_ms_per_step": time_by_name(host_events(trace_dir), steps, top),
+        "top_host_events_ms_per_step": time_by_name(host, steps, top),
     }
 
 
