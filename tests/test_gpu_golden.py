@@ -22,13 +22,20 @@ def _gate_module():
     return module
 
 
-@pytest.mark.parametrize("kernels", ["ref"])
-def test_bf16_gate_at_4b_shapes(tmp_path, kernels):
+@pytest.fixture(scope="module")
+def gate_reports(tmp_path_factory):
+    """HF runs once; both kernel sets are compared with the same HF numbers."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    workdir = Path(os.environ.get("QWEN35_GATE_WORKDIR", tmp_path))
+    workdir = Path(os.environ.get("QWEN35_GATE_WORKDIR", tmp_path_factory.mktemp("gate")))
     gate = _gate_module()
-    report = gate.run_gate(workdir, seed=0, kernels=kernels)
+    return gate, gate.run_gates(workdir, seed=0, kernel_sets=("ref", "pallas"))
+
+
+@pytest.mark.parametrize("kernels", ["ref", "pallas"])
+def test_bf16_gate_at_4b_shapes(gate_reports, kernels):
+    gate, reports = gate_reports
+    report = reports[kernels]
     out = os.environ.get("OUT")
     if out:
         Path(out, f"gate_{kernels}.json").write_text(json.dumps(report, indent=2))

@@ -2,7 +2,7 @@
 the GPU, loaded by this project from the saved safetensors folder, held to the bf16 gate of DESIGN §8.
 
 Run on the H200 host (torch + transformers 5.17 present, flash-linear-attention absent, so HF takes its
-torch fallback path):   python tools/gpu_golden_gate.py --workdir /tmp/gate --report gate.json
+torch fallback path):   python tools/gpu_golden_gate.py --workdir /tmp/gate --kernels ref,pallas --report gate.json
 `tests/test_gpu_golden.py` (marked gpu) runs the same function and asserts the gate.
 
 Full logits at 4B are [tokens, 248320] fp32 (4 GB for 4096 tokens), too big for a fixture: HF runs first
@@ -115,6 +115,11 @@ def pooled(parts: list[dict]) -> dict:
 
 
 def run_gate(workdir: Path, seed: int = 0, kernels: str = "ref") -> dict:
+    return run_gates(workdir, seed, (kernels,))[kernels]
+
+
+def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",)) -> dict[str, dict]:
+    """One HF run (bf16 and fp32), then the project once per kernel set against the same HF numbers."""
     _hide_repo_root()
     workdir.mkdir(parents=True, exist_ok=True)
     folder = workdir / "qwen35-4b-random"
@@ -127,7 +132,8 @@ def run_gate(workdir: Path, seed: int = 0, kernels: str = "ref") -> dict:
     runs = [(rng.integers(0, TOKEN_ID_LIMIT, n).tolist(), n) for n in PROMPT_LENGTHS]
     runs.append((rng.integers(0, TOKEN_ID_LIMIT, DECODE_PROMPT + DECODE_STEPS).tolist(), DECODE_PROMPT))
     hf = {d: hf_logprobs(folder, d, runs) for d in ("bf16", "fp32")}
-    return compare_with_project(folder, runs, hf, kernels, timings)
+    timings["hf_s"] = time.perf_counter() - start - timings["hf_build_and_save_s"]
+    return {k: compare_with_project(folder, runs, hf, k, dict(timings)) for k in kernel_sets}
 
 
 def compare_with_project(folder: Path, runs, hf: dict, kernels: str, timings: dict) -> dict:
@@ -180,15 +186,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qwen35-gate"))
     parser.add_argument("--report", type=Path, default=None)
-    parser.add_argument("--kernels", default="ref")
+    parser.add_argument("--kernels", default="ref", help="a kernel set, or several comma-separated (ref,pallas)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    report = run_gate(args.workdir, args.seed, args.kernels)
+    kernel_sets = tuple(args.kernels.split(","))
+    reports = run_gates(args.workdir, args.seed, kernel_sets)
+    report = reports[kernel_sets[0]] if len(kernel_sets) == 1 else reports
     text = json.dumps(report, indent=2)
     print(text)
     if args.report:
         args.report.write_text(text)
-    sys.exit(0 if all(line["pass"] for line in enforced(report)) else 1)
+    sys.exit(0 if all(line["pass"] for r in reports.values() for line in enforced(r)) else 1)
 
 
 if __name__ == "__main__":
