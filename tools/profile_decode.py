@@ -55,6 +55,48 @@ def hlo_summary(text: str) -> dict:
     }
 
 
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1}
+HBM_BYTES_PER_S = 4.3e12
+
+
+def _shape_bytes(shapes: str) -> int:
+    """Bytes of every array shape written in an HLO operand or result list ("bf16[1,2560]{1,0} %x, ...")."""
+    total = 0
+    for dtype, dims in re.findall(r"\b(bf16|f16|f32|s32|u32|s8|u8|pred|f8e4m3fn)\[([\d,]*)\]", shapes):
+        total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def kernel_traffic(kernels: list[dict], steps: int, hlo: str, top: int) -> list[dict]:
+    """For the `top` device kernels by time whose name is a fusion or custom call of the optimised HLO: calls
+    per step, the bytes one call's operands and result hold (a lower bound on what it moves), and the
+    bandwidth that implies against HBM's 4.3 TB/s. Names in the trace are the HLO instruction names with
+    "." written "_"; identical fusions share one kernel and its first instruction's name."""
+    shapes = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = (\S+(?: \S+\))?)", hlo, re.M))
+    lines = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.-]+) = (.*?) (?:fusion|custom-call)\(([^)]*)\)", hlo, re.M):
+        operands = " ".join(shapes.get(n, "") for n in re.findall(r"%([\w.-]+)", m.group(3)))
+        lines.setdefault(m.group(1).replace(".", "_"), (m.group(2), operands))
+    us, calls = {}, {}
+    for e in kernels:
+        name = e["name"].split("(")[0]
+        us[name] = us.get(name, 0.0) + e["dur"]
+        calls[name] = calls.get(name, 0) + 1
+    rows = []
+    for name in sorted(us, key=us.get, reverse=True):
+        if name not in lines:
+            continue
+        result, operands = lines[name]
+        nbytes = _shape_bytes(result) + _shape_bytes(operands)
+        per_step_s = us[name] / steps / 1e6
+        rows.append({"kernel": name, "ms_per_step": per_step_s * 1e3, "calls_per_step": calls[name] / steps,
+                     "bytes_per_call": nbytes, "result": result.split("{")[0],
+                     "hbm_fraction": nbytes * calls[name] / steps / per_step_s / HBM_BYTES_PER_S})  # fmt: skip
+        if len(rows) == top:
+            break
+    return rows
+
+
 def main() -> None:
     import jax
 
@@ -120,6 +162,7 @@ def main() -> None:
               "xla_options": args.xla_option or [],
               "wall_ms_per_step": wall * 1e3, **summarise(args.trace_dir, args.steps, args.top),
               "decode_program_hlo": hlo_summary(hlo),
+              "top_kernel_traffic": kernel_traffic(trace_events(args.trace_dir)[0], args.steps, hlo, args.top),
               "decode_program_scratch_bytes": engine.runner.temp_bytes[(args.batch, 0, 0)]}  # fmt: skip
     print(json.dumps(report, indent=2))
     if args.json:
