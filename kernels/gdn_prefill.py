@@ -118,20 +118,43 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state, lengths):
 # No jnp glue runs over the activations: l2norm, the query scale and the key-head -> value-head repeat (a BlockSpec
 # index map) happen inside the kernels; the only glue is a pad of the token axis up to a multiple of 64 when T is not
 # one (the engine's chunk buckets are powers of two >= 16, so only T = 16 or 32 pads, a few KiB).
-# Matmul operands are bf16 when the inputs are bf16 (fp32 accumulation: the tensor-core path), and exact fp32 (IEEE)
-# when the inputs are fp32; gates, decays, norms, the triangular solve's row steps and the state stay fp32.
+# Matmul operands (fp32 accumulation throughout) are bf16 for bf16 inputs with `dots="bf16"`, fp32 with TF32 products
+# for `dots="tf32"`, and exact fp32 (IEEE) for fp32 inputs; gates, decays, norms, the triangular solve's row steps and
+# the state stay fp32.
 # ---------------------------------------------------------------------------------------------------------------------
 
 SUB = 16  # rows per diagonal block of the intra-chunk triangular solve
 
 
-def _dot(a, b, exact: bool, contract=((1,), (0,))):
-    """a @ b (or a^T b / a b^T through `contract`) with fp32 accumulation; bf16 operands unless `exact`."""
-    if exact:
-        a, b, precision = a.astype(jnp.float32), b.astype(jnp.float32), lax.Precision.HIGHEST
-    else:
+DOTS = ("bf16", "tf32", "ieee")
+# "tf32": with "bf16" the 4B golden gate fails on the H200 (26 calibrated misses against a limit of 19.5; with the
+# reference GDN prefill in the Pallas set, 12), docs/accuracy.md.
+DEFAULT_DOTS = "tf32"
+
+
+def _dot(a, b, dots: str, contract=((1,), (0,))):
+    """a @ b (or a^T b / a b^T through `contract`) with fp32 accumulation. dots: "bf16" (bf16 operands), "tf32"
+    (fp32 operands, TF32 tensor-core products: 10 mantissa bits instead of 7; exact fp32 in interpret mode) or
+    "ieee" (exact fp32)."""
+    if dots == "bf16":
         a, b, precision = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
+    else:
+        precision = lax.Precision.HIGHEST if dots == "ieee" else lax.Precision.DEFAULT
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _coarse(dots: str) -> str:
+    """The precision of the matmuls whose bf16 rounding barely moves the output (the solve's A and A X products and
+    W S: each under 1e-6 relative RMS of the output alone, against 2-3e-3 for the others, CPU emulation of TF32 at 4B
+    head shapes, docs/kernels.md): bf16 under "tf32", so that only the sensitive products pay for TF32."""
+    return "bf16" if dots == "tf32" else dots
+
+
+def _operand_dtype(dots: str):
+    """The dtype of the matmul operands the kernels store between passes (W, U, chunk states, V') or keep in
+    registers (normalised q and k)."""
+    return jnp.bfloat16 if dots == "bf16" else jnp.float32
 
 
 def _iota(shape, dim):
@@ -166,7 +189,7 @@ def _load_sub_block(k_ref, v_ref, g_ref, beta_ref, a: int, start, length):
     return k, v, beta, g
 
 
-def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_ref, *, exact: bool):
+def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_ref, *, dots: str):
     """One chunk of one value head: k [C, dk], v [C, dv], g/beta [C] -> w [C, dk], u [C, dv], gamma [C].
 
     Solves (I + A) [W | U] = [beta exp(gamma) K | beta V] over row blocks a of SUB tokens:
@@ -189,7 +212,7 @@ def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, ga
         diagonals = []
         for k, k_beta, gamma in zip(keys, keys_beta, gammas, strict=True):
             decay = jnp.exp(jnp.where(strict, gamma[:, None] - gamma[None, :], 0.0))
-            diagonals.append(jnp.where(strict, _dot(k_beta, k, exact, ((1,), (1,))) * decay, 0.0))
+            diagonals.append(jnp.where(strict, _dot(k_beta, k, _coarse(dots), ((1,), (1,))) * decay, 0.0))
         inverses = _unit_lower_inverses(diagonals)
 
         w_blocks, u_blocks = [], []
@@ -197,12 +220,12 @@ def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, ga
             rhs_w, rhs_u = keys_beta[a] * jnp.exp(gammas[a])[:, None], v * beta[:, None]
             for b in range(a):  # every token of block b precedes every token of block a
                 decay = jnp.exp(gammas[a][:, None] - gammas[b][None, :])
-                block = _dot(keys_beta[a], keys[b], exact, ((1,), (1,))) * decay  # A_ab
-                rhs_w = rhs_w - _dot(block, w_blocks[b], exact)
-                rhs_u = rhs_u - _dot(block, u_blocks[b], exact)
-            # Kept in the stored dtype: every later use is a matmul operand of that dtype anyway.
-            w_blocks.append(_dot(inverses[a], rhs_w, exact).astype(w_ref.dtype))
-            u_blocks.append(_dot(inverses[a], rhs_u, exact).astype(u_ref.dtype))
+                block = _dot(keys_beta[a], keys[b], _coarse(dots), ((1,), (1,))) * decay  # A_ab
+                rhs_w = rhs_w - _dot(block, w_blocks[b], _coarse(dots))
+                rhs_u = rhs_u - _dot(block, u_blocks[b], _coarse(dots))
+            # Kept in the stored dtype: W's every later use is a matmul operand of that dtype anyway.
+            w_blocks.append(_dot(inverses[a], rhs_w, dots).astype(w_ref.dtype))
+            u_blocks.append(_dot(inverses[a], rhs_u, dots).astype(u_ref.dtype))
             rows = pl.ds(a * SUB, SUB)
             w_ref[rows, :] = w_blocks[a]
             u_ref[rows, :] = u_blocks[a]
@@ -225,21 +248,21 @@ def _causal_mask():
     return _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
 
 
-def _chunk_output(q, k, gamma, state, v_new, causal, exact: bool):
+def _chunk_output(q, k, gamma, state, v_new, causal, dots: str):
     """O = (Q exp(gamma)) S + tril(Q K^T * Gamma) V' [C, bv] fp32, from the chunk's start state S [dk, bv]."""
-    attn = _dot(q, k, exact, ((1,), (1,))) * jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0))
+    attn = _dot(q, k, dots, ((1,), (1,))) * jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0))
     attn = jnp.where(causal, attn, 0.0)
-    return _dot(q.astype(jnp.float32) * jnp.exp(gamma)[:, None], state, exact) + _dot(attn, v_new, exact)
+    return _dot(q.astype(jnp.float32) * jnp.exp(gamma)[:, None], state, dots) + _dot(attn, v_new, dots)
 
 
-def _next_state(state, k, gamma, gamma_last, v_new, exact: bool):
+def _next_state(state, k, gamma, gamma_last, v_new, dots: str):
     """S <- exp(gamma_last) S + (K exp(gamma_last - gamma))^T V'."""
     k_decayed = k.astype(jnp.float32) * jnp.exp(gamma_last - gamma)[:, None]
-    return state * jnp.exp(gamma_last) + _dot(k_decayed, v_new, exact, ((0,), (0,)))
+    return state * jnp.exp(gamma_last) + _dot(k_decayed, v_new, dots, ((0,), (0,)))
 
 
 def _state_pass_kernel(
-    lengths_ref, q_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, o_ref, state_out_ref, *, exact: bool, scale: float
+    lengths_ref, q_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, o_ref, state_out_ref, *, dots: str, scale: float
 ):
     """One (row, value head, dv slice): q/k/w [T, dk], u [T, bv], gamma [T], state [dk, bv] -> o [T, bv], state."""
     length = lengths_ref[...]
@@ -251,13 +274,13 @@ def _state_pass_kernel(
         start = pl.multiple_of(c * CHUNK, CHUNK)
         rows = pl.ds(start, CHUNK)
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
-        q, k = _normalised_qk(q_ref, k_ref, rows, valid, scale, w_ref.dtype)
+        q, k = _normalised_qk(q_ref, k_ref, rows, valid, scale, u_ref.dtype)
         gamma = gamma_ref[rows]
         gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma
-        v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], state, exact)  # [C, bv]
-        out = _chunk_output(q, k, gamma, state, v_new, causal, exact)
+        v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], state, _coarse(dots))  # [C, bv]
+        out = _chunk_output(q, k, gamma, state, v_new, causal, dots)
         o_ref[rows, :] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
-        return _next_state(state, k, gamma, gamma_last, v_new, exact)
+        return _next_state(state, k, gamma, gamma_last, v_new, dots)
 
     def zero_chunk(c, carry):  # outputs of padding-only chunks are defined as zeros
         o_ref[pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK), :] = jnp.zeros((CHUNK, o_ref.shape[1]), o_ref.dtype)
@@ -268,7 +291,7 @@ def _state_pass_kernel(
 
 
 def _chunk_states_kernel(
-    lengths_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, states_ref, v_new_ref, state_out_ref, *, exact: bool
+    lengths_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, states_ref, v_new_ref, state_out_ref, *, dots: str
 ):
     """One (row, value head, dv slice), state only: k/w [T, dk], u [T, bv], gamma [T], state [dk, bv] -> each valid
     chunk's start state states [n, dk, bv] and V' [T, bv], and the final state. Chunks past the length are not
@@ -283,20 +306,18 @@ def _chunk_states_kernel(
         # S_c, the chunk's start state, in the operand dtype: the output pass uses it only as a matmul operand
         # (bf16 inputs: rounded to bf16 there anyway), so bf16 storage halves this traffic and changes nothing.
         states_ref[c] = state.astype(states_ref.dtype)
-        k = _normalised_k(k_ref, rows, valid, w_ref.dtype)
+        k = _normalised_k(k_ref, rows, valid, u_ref.dtype)
         gamma = gamma_ref[rows]
         gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma
-        v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], state, exact)  # [C, bv]
+        v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], state, _coarse(dots))  # [C, bv]
         # Stored in the operand dtype: the output pass uses V' only as a matmul operand, as the fused kernel does.
         v_new_ref[rows, :] = v_new.astype(v_new_ref.dtype)
-        return _next_state(state, k, gamma, gamma_last, v_new, exact)
+        return _next_state(state, k, gamma, gamma_last, v_new, dots)
 
     state_out_ref[...] = lax.fori_loop(0, num_valid, chunk_step, state_ref[...])
 
 
-def _chunk_output_kernel(
-    lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_ref, o_ref, *, exact: bool, scale: float
-):
+def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_ref, o_ref, *, dots: str, scale: float):
     """One (row, value head, chunk, dv slice): q/k [C, dk], gamma [C], start state [dk, bv], V' [C, bv] -> o [C, bv].
     Chunks past the length are written as zeros without reading S_c or V'_c, which were never stored for them."""
     start = pl.program_id(2) * CHUNK
@@ -306,7 +327,7 @@ def _chunk_output_kernel(
     def _():
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
         q, k = _normalised_qk(q_ref, k_ref, slice(None), valid, scale, v_new_ref.dtype)
-        out = _chunk_output(q, k, gamma_ref[...], state_ref[...], v_new_ref[...], _causal_mask(), exact)
+        out = _chunk_output(q, k, gamma_ref[...], state_ref[...], v_new_ref[...], _causal_mask(), dots)
         o_ref[...] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
 
     @pl.when(start >= length)
@@ -314,14 +335,14 @@ def _chunk_output_kernel(
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _wy_prep(k, v, g, beta, lengths, exact: bool, interpret: bool, num_warps: int = 8):
+def _wy_prep(k, v, g, beta, lengths, dots: str, interpret: bool, num_warps: int = 8):
     """k [P, T, nk, dk], v [P, T, nv, dv], g/beta [P, T, nv] -> w [P, nv, T, dk], u [P, nv, T, dv], gamma [P, nv, T]."""
     num_rows, seq, num_heads, dv = v.shape
     dk = k.shape[-1]
     ratio = num_heads // k.shape[2]
-    store = jnp.float32 if exact else jnp.bfloat16
+    store = _operand_dtype(dots)  # U; W is only read by W S, a `_coarse` product
     return pl.pallas_call(
-        functools.partial(_wy_prep_kernel, exact=exact),
+        functools.partial(_wy_prep_kernel, dots=dots),
         grid=(num_rows, num_heads, seq // CHUNK),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, c: (p,)),
@@ -336,7 +357,7 @@ def _wy_prep(k, v, g, beta, lengths, exact: bool, interpret: bool, num_warps: in
             pl.BlockSpec((None, None, CHUNK), lambda p, h, c: (p, h, c)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((num_rows, num_heads, seq, dk), store),
+            jax.ShapeDtypeStruct((num_rows, num_heads, seq, dk), _operand_dtype(_coarse(dots))),
             jax.ShapeDtypeStruct((num_rows, num_heads, seq, dv), store),
             jax.ShapeDtypeStruct((num_rows, num_heads, seq), jnp.float32),
         ],
@@ -369,12 +390,12 @@ def _walk(k, u, tiling: tuple[int, ...]) -> tuple:
     return (num_rows, num_heads, dv // block_v), specs, params
 
 
-def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int, ...], exact: bool, interpret: bool):
+def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int, ...], dots: str, interpret: bool):
     """The sequential pass over chunks; returns o [P, T, nv, dv] and the new state [P, nv, dk, dv]."""
     num_rows, num_heads, seq, dv = u.shape
     grid, (lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec), params = _walk(k, u, tiling)
     return pl.pallas_call(
-        functools.partial(_state_pass_kernel, exact=exact, scale=q.shape[-1] ** -0.5),
+        functools.partial(_state_pass_kernel, dots=dots, scale=q.shape[-1] ** -0.5),
         grid=grid,
         in_specs=[lengths_spec, row_major, row_major, w_spec, u_spec, gamma_spec, state_spec],
         out_specs=[pl.BlockSpec((None, seq, None, tiling[0]), lambda p, h, j: (p, 0, h, j)), state_spec],
@@ -389,14 +410,14 @@ def _state_pass(q, k, w, u, gamma, state, lengths, out_dtype, tiling: tuple[int,
     )(lengths, q, k, w, u, gamma, state)
 
 
-def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, ...], exact: bool, interpret: bool):
+def _chunk_states(k, w, u, gamma, state, lengths, tiling: tuple[int, ...], dots: str, interpret: bool):
     """The sequential pass, state only; returns each chunk's start state [P, nv, n, dk, dv] and V' [P, nv, T, dv]
     (both in u's dtype: the matmul operand dtype) and the new state [P, nv, dk, dv] (fp32)."""
     num_rows, num_heads, seq, dv = u.shape
     dk = k.shape[-1]
     grid, (lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec), params = _walk(k, u, tiling)
     return pl.pallas_call(
-        functools.partial(_chunk_states_kernel, exact=exact),
+        functools.partial(_chunk_states_kernel, dots=dots),
         grid=grid,
         in_specs=[lengths_spec, row_major, w_spec, u_spec, gamma_spec, state_spec],
         out_specs=[
@@ -422,7 +443,7 @@ OUTPUT_BLOCK_V = 64
 OUTPUT_NUM_WARPS = 4
 
 
-def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, exact: bool, interpret: bool,
+def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, dots: str, interpret: bool,
                    num_warps: int = OUTPUT_NUM_WARPS):  # fmt: skip
     """The parallel output pass: one program per (row, value head, chunk, dv slice); returns o [P, T, nv, dv]."""
     num_rows, num_heads, seq, dv = v_new.shape
@@ -431,7 +452,7 @@ def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, exact: bool, 
     block_v = min(OUTPUT_BLOCK_V, dv)
     chunk_rows = pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, h // ratio, 0))
     return pl.pallas_call(
-        functools.partial(_chunk_output_kernel, exact=exact, scale=dk**-0.5),
+        functools.partial(_chunk_output_kernel, dots=dots, scale=dk**-0.5),
         grid=(num_rows, num_heads, seq // CHUNK, dv // block_v),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, c, j: (p,)),
@@ -483,6 +504,7 @@ def gdn_chunked_prefill_pallas(
     output_pass="parallel",
     prep_warps=None,
     output_warps=None,
+    dots=None,
 ):
     """Pallas form of `gdn_chunked_prefill_ref`: same layouts, math and result dtypes.
 
@@ -495,6 +517,10 @@ def gdn_chunked_prefill_pallas(
     software-pipelining depth of its chunk loop); None picks defaults (num_stages 2). prep_warps / output_warps: warps of
     the WY kernel (default 8) and of the parallel output kernel (default OUTPUT_NUM_WARPS), for tuning sweeps; fla
     autotunes warps and stages of every one of its kernels per shape, these are fixed until measured.
+    dots: the matmul operand precision for bf16 inputs (fp32 inputs always take "ieee"): "bf16" rounds every operand
+    (W, U, chunk states, V', normalised q/k) to bf16, as flash-linear-attention does; "tf32" keeps them fp32 and
+    multiplies in TF32, for an output error about 8x smaller against the fp32 reference (CPU emulation at 4B head
+    shapes, docs/kernels.md) at the cost of fp32 traffic between passes. None: DEFAULT_DOTS.
 
     The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.
     dk and dv must be powers of two >= 16 (Triton tiles); T any length (padded to a multiple of 64 inside).
@@ -505,19 +531,21 @@ def gdn_chunked_prefill_pallas(
     dk = q.shape[-1]
     assert k.shape == q.shape and num_heads % q.shape[2] == 0, (q.shape, k.shape, v.shape)
     assert all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv)), f"dk={dk}, dv={dv}: powers of two >= 16"
-    exact = q.dtype == jnp.float32
+    dots = "ieee" if q.dtype == jnp.float32 else (dots or DEFAULT_DOTS)
+    if dots not in DOTS:
+        raise ValueError(f"dots={dots!r}: one of {DOTS}")
     block_v = block_v or _default_block_v(num_rows, num_heads, dv)
     tiling = (block_v, num_warps or _default_num_warps(block_v, output_pass), num_stages or 2)
     pad = (-seq) % CHUNK
     if pad:
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, seq)
-    w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, exact, interpret, prep_warps or 8)
+    w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, dots, interpret, prep_warps or 8)
     state = state.astype(jnp.float32)
     if output_pass == "fused":
-        out, state = _state_pass(q, k, w, u, gamma, state, lengths, v.dtype, tiling, exact, interpret)
+        out, state = _state_pass(q, k, w, u, gamma, state, lengths, v.dtype, tiling, dots, interpret)
     else:
-        states, v_new, state = _chunk_states(k, w, u, gamma, state, lengths, tiling, exact, interpret)
-        out = _chunk_outputs(q, k, gamma, states, v_new, lengths, v.dtype, exact, interpret,
+        states, v_new, state = _chunk_states(k, w, u, gamma, state, lengths, tiling, dots, interpret)
+        out = _chunk_outputs(q, k, gamma, states, v_new, lengths, v.dtype, dots, interpret,
                              output_warps or OUTPUT_NUM_WARPS)  # fmt: skip
     return out[:, :seq], state

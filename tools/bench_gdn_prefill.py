@@ -151,23 +151,25 @@ def bench_case(args, rows: int, tokens: int) -> dict:
     result["ref_ms"] = 1e3 * timing(jax.jit(gdn_chunked_prefill_ref), inputs)
     out_ref, _ = jax.jit(gdn_chunked_prefill_ref)(*inputs)
     configs = itertools.product(args.output_pass, args.block_v, args.num_warps, args.num_stages, args.prep_warps,
-                                args.output_warps)  # fmt: skip
-    for output_pass, block_v, num_warps, num_stages, prep_warps, output_warps in configs:
+                                args.output_warps, args.dots)  # fmt: skip
+    for output_pass, block_v, num_warps, num_stages, prep_warps, output_warps, dots in configs:
         tiling = {"block_v": block_v, "num_warps": num_warps or None, "num_stages": num_stages or None,
-                  "output_pass": output_pass, "prep_warps": prep_warps or None, "output_warps": output_warps or None}  # fmt: skip
+                  "output_pass": output_pass, "prep_warps": prep_warps or None, "output_warps": output_warps or None,
+                  "dots": dots}  # fmt: skip
         kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, **tiling))
         seconds = timing(kernel, inputs)
         out, _ = kernel(*inputs)
         error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - out_ref.astype(jnp.float32))))
         # "parallel" writes each chunk's start state and reads it back: HBM traffic beyond the minimal bytes
         states = (
-            chunk_states_bytes(rows, tokens, args.nv, args.dk, args.dv, dtype.itemsize)
+            chunk_states_bytes(rows, tokens, args.nv, args.dk, args.dv, 4 if dots == "tf32" else dtype.itemsize)
             if output_pass == "parallel"
             else 0
         )
         stages = kernel_stages(kernel, inputs, args.iters, args.profile) if args.profile else None
         name = f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"
-        extra = {"num_stages": num_stages, "prep_warps": prep_warps, "output_warps": output_warps}
+        extra = {"num_stages": num_stages, "prep_warps": prep_warps, "output_warps": output_warps,
+                 "dots": dots if dots != "bf16" else 0}  # fmt: skip
         result[name + "".join(f" {k}={v}" for k, v in extra.items() if v)] = {
             "kernel_ms_per_call": stages,
             "output_pass": output_pass,
@@ -235,6 +237,8 @@ def main() -> None:
         "--output-pass", nargs="+", default=["fused", "parallel"], choices=["fused", "parallel"],
         help="output inside the sequential pass (fused) or in a parallel third pallas_call (parallel)",
     )  # fmt: skip
+    parser.add_argument("--dots", nargs="+", default=["bf16"], choices=["bf16", "tf32"],
+                        help="matmul operand precision of the kernel (bf16 inputs)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the results to this file")
