@@ -65,7 +65,8 @@ def _serve_parser(subparsers) -> None:
     p.add_argument(
         "--layer-loop",
         default=defaults.layer_loop,
-        help="scan (compile time independent of depth) | unstacked (faster steps, longer compiles)",
+        help="auto (unstacked on a GPU, scan elsewhere) | scan (compile time independent of depth) | unstacked "
+        "(per-group weight arrays: faster steps on a GPU, longer cold compiles)",
     )
     p.add_argument(
         "--gdn-state",

@@ -239,8 +239,8 @@ def main(argv=None) -> None:
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument(
         "--layer-loop",
-        default="scan",
-        choices=("scan", "unrolled", "unstacked"),
+        default="auto",
+        choices=("auto", "scan", "unrolled", "unstacked"),
         help="A/B of the layer loop (unstacked: per-group weight arrays, see model.unstack_groups)",
     )
     parser.add_argument(
@@ -259,10 +259,12 @@ def main(argv=None) -> None:
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args(argv)
     from qwen35_jax.api import load_model
+    from qwen35_jax.serving.factory import resolve_layer_loop
 
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, kernels=args.kernels)
     args.kernels = model.kernels.name
+    args.layer_loop = resolve_layer_loop(args.layer_loop)
     load_s = time.perf_counter() - start
     batches = sorted(int(b) for b in args.batches.split(","))
     chunks = sorted(int(t) for t in args.prefill.split(","))

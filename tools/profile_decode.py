@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--trace-dir", default="/tmp/trace")
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--kernels", default=None, help="pallas | ref (default: pallas on a GPU)")
-    parser.add_argument("--layer-loop", default="scan", choices=("scan", "unstacked", "unrolled"))
+    parser.add_argument("--layer-loop", default="unstacked", choices=("scan", "unstacked", "unrolled"))
     parser.add_argument("--gdn-state", default="in_pool", choices=("in_pool", "gather"))
     parser.add_argument("--xla-option", action="append", default=None, metavar="NAME=VALUE",
                         help="an XLA compile option (as offline_bench --xla-option); repeatable")  # fmt: skip
