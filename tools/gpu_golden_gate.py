@@ -136,6 +136,31 @@ def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",)) -> dict[str, d
     return {k: compare_with_project(folder, runs, hf, k, dict(timings)) for k in kernel_sets}
 
 
+def kernel_set(spec: str):
+    """A kernel set, optionally with single mixers swapped, to find the kernel that moves the gate:
+    "pallas+gdn_prefill=ref" is the Pallas set with the reference GDN prefill; "gdn_prefill=pallas-bf16" takes the
+    Pallas GDN prefill with bf16 matmul operands (dots="bf16") instead of its default."""
+    import functools
+
+    import jax
+
+    from qwen35_jax.kernels import mixers
+    from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas
+
+    base, *swaps = spec.split("+")
+    mix = mixers(base)
+    for swap in swaps:
+        field, _, source = swap.partition("=")
+        if field not in mix._fields[1:]:
+            raise ValueError(f"{spec}: no mixer {field!r}; one of {mix._fields[1:]}")
+        if (field, source) == ("gdn_prefill", "pallas-bf16"):
+            kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, dots="bf16"))
+        else:
+            kernel = getattr(mixers(source), field)
+        mix = mix._replace(**{field: kernel})
+    return base, mix._replace(name=spec)
+
+
 def compare_with_project(folder: Path, runs, hf: dict, kernels: str, timings: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -143,7 +168,9 @@ def compare_with_project(folder: Path, runs, hf: dict, kernels: str, timings: di
     from qwen35_jax.api import load_model
 
     start = time.perf_counter()
-    model = load_model(folder, dtype="bfloat16", kernels=kernels)
+    base, mix = kernel_set(kernels)
+    model = load_model(folder, dtype="bfloat16", kernels=base)
+    model.kernels = mix
     timings["project_load_safetensors_s"] = time.perf_counter() - start
     labels = [f"prefill {n}" for n in PROMPT_LENGTHS] + [f"prefill {DECODE_PROMPT} + decode {DECODE_STEPS}"]
     per_run = []
@@ -186,7 +213,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/qwen35-gate"))
     parser.add_argument("--report", type=Path, default=None)
-    parser.add_argument("--kernels", default="ref", help="a kernel set, or several comma-separated (ref,pallas)")
+    parser.add_argument("--kernels", default="ref",
+                        help="a kernel set, or several comma-separated (ref,pallas); a set may swap single mixers: "
+                             "pallas+gdn_prefill=ref, pallas+gdn_prefill=pallas-bf16 (see kernel_set)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     kernel_sets = tuple(args.kernels.split(","))

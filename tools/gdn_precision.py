@@ -1,0 +1,116 @@
+"""Which matmuls of the Pallas GDN chunked prefill need more than bf16 operands: a CPU emulation.
+
+Runs the kernel in Pallas interpret mode on fp32 inputs (so every product is exact) and rounds the operands of
+chosen products to bf16 or to TF32 (10 mantissa bits, round to nearest even), one product site at a time, then
+reports the relative RMS error of the output (and the max error of the final state) against the fp32 reference.
+Inputs are drawn as the 4B golden gate's random model draws them (A = U(1, 16), strong decay).
+
+    python tools/gdn_precision.py --tokens 512
+
+Sites are named by the kernel function that calls `_dot` and, for the two lines of `_chunk_output`, by its
+statement (matched in the source); a refactor of the kernel can move them, which the script reports as an
+unknown site rather than guessing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import qwen35_jax.kernels.gdn_prefill as gp
+
+SITES = {  # site name -> (calling function, fragments of the calling line (any of them), or () for any line)
+    "solve A and A X (WY kernel)": ("_", ("k_beta, k,", "keys[b]", "(block,")),
+    "solve W, U = inverse @ rhs": ("_", ("inverses[a]",)),
+    "Q K^T": ("_chunk_output", ("attn =",)),
+    "output (Q S, A V')": ("_chunk_output", ("return",)),
+    "state update": ("_next_state", ()),
+    "W S": ("chunk_step", ()),
+}
+
+
+def tf32(x):
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    bits = (bits + jnp.uint32(0xFFF) + ((bits >> 13) & 1)) & jnp.uint32(0xFFFFE000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def site_of(frame) -> str | None:
+    line = (frame.code_context or [""])[0]
+    for name, (function, fragments) in SITES.items():
+        if frame.function == function and (not fragments or any(f in line for f in fragments)):
+            return name
+    return None
+
+
+def emulate(args, modes: dict[str, str], default: str):
+    """The kernel's output and state with each site's operands rounded per modes (bf16 | tf32 | fp32)."""
+    exact_dot = gp._dot
+    unknown = set()
+
+    def dot(a, b, dots, contract=((1,), (0,))):
+        frame = inspect.stack()[1]
+        site = site_of(frame)
+        if site is None:
+            unknown.add(f"{frame.function}:{frame.lineno}")
+        mode = modes.get(site, default)
+        if mode == "tf32":
+            return exact_dot(tf32(a), tf32(b), "ieee", contract)
+        return exact_dot(a, b, "bf16" if mode == "bf16" else "ieee", contract)
+
+    gp._dot = dot
+    try:
+        out = jax.jit(functools.partial(gp.gdn_chunked_prefill_pallas, interpret=True))(*args)
+    finally:
+        gp._dot = exact_dot
+    if unknown:
+        raise SystemExit(f"products at unknown sites {sorted(unknown)}: update SITES")
+    return out
+
+
+def inputs(tokens: int, seed: int = 0):
+    nk, nv, dk, dv = 2, 4, 128, 128
+    rng = np.random.default_rng(seed)
+    f32 = jnp.float32
+    q = jnp.asarray(rng.normal(size=(1, tokens, nk, dk)), jnp.bfloat16).astype(f32)
+    k = jnp.asarray(rng.normal(size=(1, tokens, nk, dk)), jnp.bfloat16).astype(f32)
+    v = jnp.asarray(jax.nn.silu(rng.normal(size=(1, tokens, nv, dv))), jnp.bfloat16).astype(f32)
+    beta = jnp.asarray(jax.nn.sigmoid(rng.normal(size=(1, tokens, nv))), jnp.bfloat16).astype(f32)
+    decay_rate = rng.uniform(1, 16, size=nv)
+    g = jnp.asarray(-decay_rate * np.log1p(np.exp(rng.normal(size=(1, tokens, nv)) + rng.normal(size=nv))), f32)
+    state = jnp.asarray(rng.normal(size=(1, nv, dk, dv)) * 0.1, f32)
+    return q, k, v, g, beta, state, jnp.array([tokens], jnp.int32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=512)
+    args = parser.parse_args()
+    data = inputs(args.tokens)
+    truth, truth_state = jax.jit(gp.gdn_chunked_prefill_ref)(*data)
+    truth, truth_state = np.asarray(truth), np.asarray(truth_state)
+
+    def report(label, out, state):
+        out = np.asarray(out, np.float32)
+        rms = np.sqrt(np.mean((out - truth) ** 2) / np.mean(truth**2))
+        print(
+            f"{label:55s} output {100 * rms:.4f}%  state max |err| {np.abs(np.asarray(state) - truth_state).max():.2e}"
+        )
+
+    report("bf16 output rounding alone (reference)", truth.astype(jnp.bfloat16), truth_state)
+    report("every product bf16", *emulate(data, {}, "bf16"))
+    for site in SITES:
+        report(f"bf16, {site} in TF32", *emulate(data, {site: "tf32"}, "bf16"))
+    report("every product TF32", *emulate(data, {}, "tf32"))
+    for site in SITES:
+        report(f"TF32, {site} in bf16", *emulate(data, {site: "bf16"}, "tf32"))
+
+
+if __name__ == "__main__":
+    main()
