@@ -182,7 +182,7 @@ def bench_case(args, rows: int, tokens: int) -> dict:
             "max_abs_err_vs_ref": error,
             "chunk_states_mbytes": states / 1e6,
         }
-    fla = fla_runner(inputs, args.nv // args.nk)
+    fla = None if args.no_fla else fla_runner(inputs, args.nv // args.nk)
     if fla is not None:
         run, sync = fla
         run()  # Triton autotuning and compilation happen on the first call
@@ -191,7 +191,7 @@ def bench_case(args, rows: int, tokens: int) -> dict:
         graph_ms = fla_graph_ms(run, args.iters, args.repeats)
         if graph_ms is not None:  # fla launches several kernels from Python; the graph removes that host time
             result["fla_host_loop_ms"], result["fla_ms"] = result["fla_ms"], graph_ms
-        if args.profile:
+        if args.profile_fla:
             result["fla_kernel_ms_per_call"] = fla_stages(run, args.iters)
         out_fla = run()[0].float().cpu().numpy()
         result["fla_max_abs_err_vs_ref"] = float(np.abs(out_fla - np.asarray(out_ref, np.float32)).max())
@@ -243,7 +243,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--profile", default=None, help="trace dir: also report device time per kernel and call")
+    parser.add_argument("--profile-fla", action="store_true",
+                        help="also fla's kernels (torch.profiler); CUPTI takes one profiler per process, so after it "
+                             "JAX's profiler fails: use it alone, in a process without --profile")  # fmt: skip
+    parser.add_argument("--no-fla", action="store_true",
+                        help="skip fla (its first call per shape autotunes every kernel: tens of seconds at 8k)")  # fmt: skip
     args = parser.parse_args()
+    if args.profile and args.profile_fla:
+        parser.error("--profile and --profile-fla need separate processes (one CUPTI subscriber per process)")
 
     import jax
 

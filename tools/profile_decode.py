@@ -118,6 +118,10 @@ def main() -> None:
     parser.add_argument("--gdn-state", default="in_pool", choices=("in_pool", "gather"))
     parser.add_argument("--xla-option", action="append", default=None, metavar="NAME=VALUE",
                         help="an XLA compile option (as offline_bench --xla-option); repeatable")  # fmt: skip
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.3,
+                        help="of free device memory for the pools: the profile needs only batch x (context + 60) "
+                             "tokens; larger pools made XLA's rematerialisation pass lengthen every compile on the "
+                             "H200 (its batch-64/256 runs stopped compiling at 0.5, session 4)")  # fmt: skip
     parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
@@ -127,7 +131,7 @@ def main() -> None:
         max_batch=args.batch,
         max_prefill_tokens=args.context,
         max_model_len=args.context + 64,
-        gpu_memory_fraction=0.5,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         compile_cache=args.compile_cache,
         layer_loop=args.layer_loop,
         gdn_state=args.gdn_state,
