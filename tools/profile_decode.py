@@ -120,8 +120,8 @@ def main() -> None:
                         help="an XLA compile option (as offline_bench --xla-option); repeatable")  # fmt: skip
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.3,
                         help="of free device memory for the pools: the profile needs only batch x (context + 60) "
-                             "tokens; larger pools made XLA's rematerialisation pass lengthen every compile on the "
-                             "H200 (its batch-64/256 runs stopped compiling at 0.5, session 4)")  # fmt: skip
+                             "tokens. At 0.5 the batch-64/256 runs on the H200 stopped while compiling, XLA's "
+                             "rematerialisation pass reporting the program over its memory limit (session 4)")  # fmt: skip
     parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
