@@ -178,6 +178,26 @@ def _unit_lower_inverses(lowers: list[jax.Array]) -> list[jax.Array]:
     return list(lax.fori_loop(1, SUB, substitute_row, (identity,) * len(lowers)))
 
 
+def _unit_lower_inverses_doubling(lowers: list[jax.Array]) -> list[jax.Array]:
+    """The same inverses by repeated squaring: L is nilpotent (L^SUB = 0), so
+    (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8): six [SUB, SUB] matmuls (exact fp32) per block instead of
+    SUB - 1 dependent row steps, each a masked reduction across the tile. Rounding: <= 1.3e-5 of the largest
+    inverse entry on near-duplicate keys against 7e-8 for the row steps (float64 check, 200 random blocks),
+    both far below the bf16/TF32 operands the inverses multiply."""
+    identity = jnp.where(_iota((SUB, SUB), 0) == _iota((SUB, SUB), 1), 1.0, 0.0)
+    inverses = []
+    for lower in lowers:
+        power, inverse = lower, identity - lower
+        for _ in range(3):  # L^2, L^4, L^8
+            power = _dot(power, power, "ieee")
+            inverse = _dot(inverse, identity + power, "ieee")
+        inverses.append(inverse)
+    return inverses
+
+
+SOLVES = {"rows": _unit_lower_inverses, "doubling": _unit_lower_inverses_doubling}
+
+
 def _load_sub_block(k_ref, v_ref, g_ref, beta_ref, a: int, start, length):
     """Tokens [a*SUB, (a+1)*SUB) of the chunk in fp32: k l2-normalised; padding tokens zeroed (g = 0: no decay)."""
     rows = pl.ds(a * SUB, SUB)
@@ -189,7 +209,7 @@ def _load_sub_block(k_ref, v_ref, g_ref, beta_ref, a: int, start, length):
     return k, v, beta, g
 
 
-def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_ref, *, dots: str):
+def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_ref, *, dots: str, solve: str):
     """One chunk of one value head: k [C, dk], v [C, dv], g/beta [C] -> w [C, dk], u [C, dv], gamma [C].
 
     Solves (I + A) [W | U] = [beta exp(gamma) K | beta V] over row blocks a of SUB tokens:
@@ -213,7 +233,7 @@ def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, ga
         for k, k_beta, gamma in zip(keys, keys_beta, gammas, strict=True):
             decay = jnp.exp(jnp.where(strict, gamma[:, None] - gamma[None, :], 0.0))
             diagonals.append(jnp.where(strict, _dot(k_beta, k, _coarse(dots), ((1,), (1,))) * decay, 0.0))
-        inverses = _unit_lower_inverses(diagonals)
+        inverses = SOLVES[solve](diagonals)
 
         w_blocks, u_blocks = [], []
         for a, (_, v, beta, _) in enumerate(blocks):
@@ -335,14 +355,14 @@ def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _wy_prep(k, v, g, beta, lengths, dots: str, interpret: bool, num_warps: int = 8):
+def _wy_prep(k, v, g, beta, lengths, dots: str, interpret: bool, num_warps: int = 8, solve: str = "rows"):
     """k [P, T, nk, dk], v [P, T, nv, dv], g/beta [P, T, nv] -> w [P, nv, T, dk], u [P, nv, T, dv], gamma [P, nv, T]."""
     num_rows, seq, num_heads, dv = v.shape
     dk = k.shape[-1]
     ratio = num_heads // k.shape[2]
     store = _operand_dtype(dots)  # U; W is only read by W S, a `_coarse` product
     return pl.pallas_call(
-        functools.partial(_wy_prep_kernel, dots=dots),
+        functools.partial(_wy_prep_kernel, dots=dots, solve=solve),
         grid=(num_rows, num_heads, seq // CHUNK),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, c: (p,)),
@@ -505,6 +525,7 @@ def gdn_chunked_prefill_pallas(
     prep_warps=None,
     output_warps=None,
     dots=None,
+    solve="rows",
 ):
     """Pallas form of `gdn_chunked_prefill_ref`: same layouts, math and result dtypes.
 
@@ -521,6 +542,9 @@ def gdn_chunked_prefill_pallas(
     (W, U, chunk states, V', normalised q/k) to bf16, as flash-linear-attention does; "tf32" keeps them fp32 and
     multiplies in TF32, for an output error about 8x smaller against the fp32 reference (CPU emulation at 4B head
     shapes, docs/kernels.md) at the cost of fp32 traffic between passes. None: DEFAULT_DOTS.
+    solve: how the WY kernel inverts its 16 x 16 diagonal blocks, "rows" (forward substitution one row at a time)
+    or "doubling" (repeated squaring, six small matmuls; interpret-tested, not yet timed on a GPU: the WY kernel
+    is the largest gap to fla's, docs/kernels.md).
 
     The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.
     dk and dv must be powers of two >= 16 (Triton tiles); T any length (padded to a multiple of 64 inside).
@@ -534,13 +558,15 @@ def gdn_chunked_prefill_pallas(
     dots = "ieee" if q.dtype == jnp.float32 else (dots or DEFAULT_DOTS)
     if dots not in DOTS:
         raise ValueError(f"dots={dots!r}: one of {DOTS}")
+    if solve not in SOLVES:
+        raise ValueError(f"solve={solve!r}: one of {tuple(SOLVES)}")
     block_v = block_v or _default_block_v(num_rows, num_heads, dv)
     tiling = (block_v, num_warps or _default_num_warps(block_v, output_pass), num_stages or 2)
     pad = (-seq) % CHUNK
     if pad:
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, seq)
-    w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, dots, interpret, prep_warps or 8)
+    w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, dots, interpret, prep_warps or 8, solve)
     state = state.astype(jnp.float32)
     if output_pass == "fused":
         out, state = _state_pass(q, k, w, u, gamma, state, lengths, v.dtype, tiling, dots, interpret)

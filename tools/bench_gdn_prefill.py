@@ -151,11 +151,11 @@ def bench_case(args, rows: int, tokens: int) -> dict:
     result["ref_ms"] = 1e3 * timing(jax.jit(gdn_chunked_prefill_ref), inputs)
     out_ref, _ = jax.jit(gdn_chunked_prefill_ref)(*inputs)
     configs = itertools.product(args.output_pass, args.block_v, args.num_warps, args.num_stages, args.prep_warps,
-                                args.output_warps, args.dots)  # fmt: skip
-    for output_pass, block_v, num_warps, num_stages, prep_warps, output_warps, dots in configs:
+                                args.output_warps, args.dots, args.solve)  # fmt: skip
+    for output_pass, block_v, num_warps, num_stages, prep_warps, output_warps, dots, solve in configs:
         tiling = {"block_v": block_v, "num_warps": num_warps or None, "num_stages": num_stages or None,
                   "output_pass": output_pass, "prep_warps": prep_warps or None, "output_warps": output_warps or None,
-                  "dots": dots}  # fmt: skip
+                  "dots": dots, "solve": solve}  # fmt: skip
         kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, **tiling))
         seconds = timing(kernel, inputs)
         out, _ = kernel(*inputs)
@@ -169,7 +169,7 @@ def bench_case(args, rows: int, tokens: int) -> dict:
         stages = kernel_stages(kernel, inputs, args.iters, args.profile) if args.profile else None
         name = f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"
         extra = {"num_stages": num_stages, "prep_warps": prep_warps, "output_warps": output_warps,
-                 "dots": dots if dots != "bf16" else 0}  # fmt: skip
+                 "dots": dots if dots != "bf16" else 0, "solve": solve if solve != "rows" else 0}  # fmt: skip
         result[name + "".join(f" {k}={v}" for k, v in extra.items() if v)] = {
             "kernel_ms_per_call": stages,
             "output_pass": output_pass,
@@ -239,6 +239,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--dots", nargs="+", default=["bf16"], choices=["bf16", "tf32"],
                         help="matmul operand precision of the kernel (bf16 inputs)")  # fmt: skip
+    parser.add_argument("--solve", nargs="+", default=["rows"], choices=["rows", "doubling"],
+                        help="how the WY kernel inverts its diagonal blocks")  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the results to this file")
