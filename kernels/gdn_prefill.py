@@ -110,7 +110,8 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state, lengths):
 # sequential, and the output, Q K^T included (recomputed by every dv slice in "fused"), moves to a parallel pass:
 #   2. `_chunk_states_kernel`, grid (P, nv, dv / block_v): the same walk, but per chunk it only stores the chunk's start
 #      state S_c ([P, nv, n_chunks, dk, dv] in the operand dtype: n_chunks * dk * dv * 2 bytes per row and value head
-#      in bf16, 32 KiB a chunk at dk = dv = 128; fp32 for fp32 inputs) and V'_c (u's dtype and layout), then steps
+#      with dots="bf16", 32 KiB a chunk at dk = dv = 128; fp32 under "tf32" and for fp32 inputs) and V'_c (u's dtype
+#      and layout), then steps
 #      the state. Chunks past a row's length are skipped and their S_c and V'_c are left unwritten.
 #   3. `_chunk_output_kernel`, grid (P, nv, n_chunks, dv / 64): O_c = (Q_c exp(gamma)) S_c + causal(Q_c K_c^T Gamma)
 #      V'_c for one chunk and dv slice; chunks past a row's length are written as zeros without reading S_c or V'_c.
@@ -146,8 +147,8 @@ def _dot(a, b, dots: str, contract=((1,), (0,))):
 
 def _coarse(dots: str) -> str:
     """The precision of the matmuls whose bf16 rounding barely moves the output (the solve's A and A X products and
-    W S: each under 1e-6 relative RMS of the output alone, against 2-3e-3 for the others, CPU emulation of TF32 at 4B
-    head shapes, docs/kernels.md): bf16 under "tf32", so that only the sensitive products pay for TF32."""
+    W S: each under 1e-6 relative RMS of the output alone, against 1-3e-3 for the others, CPU emulation at 4B head
+    shapes: tools/gdn_precision.py, docs/accuracy.md): bf16 under "tf32", so only the sensitive products pay for TF32."""
     return "bf16" if dots == "tf32" else dots
 
 
@@ -324,7 +325,7 @@ def _chunk_states_kernel(
         rows = pl.ds(start, CHUNK)
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
         # S_c, the chunk's start state, in the operand dtype: the output pass uses it only as a matmul operand
-        # (bf16 inputs: rounded to bf16 there anyway), so bf16 storage halves this traffic and changes nothing.
+        # (dots="bf16": rounded to bf16 there anyway, so bf16 storage halves this traffic and changes nothing).
         states_ref[c] = state.astype(states_ref.dtype)
         k = _normalised_k(k_ref, rows, valid, u_ref.dtype)
         gamma = gamma_ref[rows]
@@ -541,7 +542,7 @@ def gdn_chunked_prefill_pallas(
     dots: the matmul operand precision for bf16 inputs (fp32 inputs always take "ieee"): "bf16" rounds every operand
     (W, U, chunk states, V', normalised q/k) to bf16, as flash-linear-attention does; "tf32" keeps them fp32 and
     multiplies in TF32, for an output error about 8x smaller against the fp32 reference (CPU emulation at 4B head
-    shapes, docs/kernels.md) at the cost of fp32 traffic between passes. None: DEFAULT_DOTS.
+    shapes, tools/gdn_precision.py) at the cost of fp32 traffic between passes. None: DEFAULT_DOTS.
     solve: how the WY kernel inverts its 16 x 16 diagonal blocks, "rows" (forward substitution one row at a time)
     or "doubling" (repeated squaring, six small matmuls; interpret-tested, not yet timed on a GPU: the WY kernel
     is the largest gap to fla's, docs/kernels.md).
