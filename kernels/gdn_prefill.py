@@ -541,9 +541,9 @@ def gdn_chunked_prefill_pallas(
     autotunes warps and stages of every one of its kernels per shape, these are fixed until measured.
     dots: the matmul operand precision for bf16 inputs (fp32 inputs always take "ieee"): "bf16" rounds every operand
     (W, U, chunk states, V', normalised q/k) to bf16, as flash-linear-attention does; "tf32" keeps them fp32 (W and
-    the products `_coarse` names excepted) and
-    multiplies in TF32, for an output error about 8x smaller against the fp32 reference (CPU emulation at 4B head
-    shapes, tools/gdn_precision.py) at the cost of fp32 traffic between passes. None: DEFAULT_DOTS.
+    the products `_coarse` names excepted) and multiplies in TF32, for an output error about 8x smaller against the
+    fp32 reference (CPU emulation at 4B head shapes, tools/gdn_precision.py) at the cost of fp32 traffic between
+    passes. None: DEFAULT_DOTS.
     solve: how the WY kernel inverts its 16 x 16 diagonal blocks, "rows" (forward substitution one row at a time)
     or "doubling" (repeated squaring, six small matmuls; interpret-tested, not yet timed on a GPU: the WY kernel
     is the largest gap to fla's, docs/kernels.md).
