@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jax_timing import best_seconds
+from jax_timing import best_seconds, roofline_row
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
-from qwen35_jax.serving.offline_bench import save_json
 
 
 def formulations():
@@ -82,12 +81,9 @@ def main(argv=None) -> int:
         for name, fn in formulations().items():
             for triton_gemm in (True, False):
                 seconds = time_one(fn, h, w, emb, args.iters, args.repeats, triton_gemm)
-                row = dict(batch=batch, formulation=name, triton_gemm=triton_gemm, us=seconds * 1e6,
-                           floor_us=floor_s * 1e6, roofline_pct=100 * floor_s / seconds)  # fmt: skip
-                rows.append(row)
-                print(f"batch {batch:4d} {name:18s} triton_gemm={triton_gemm!s:5s} {row['us']:8.1f} us  "
-                      f"floor {row['floor_us']:6.1f} us  {row['roofline_pct']:5.1f}% of roofline", flush=True)  # fmt: skip
-                save_json(args.json, rows)
+                label = f"batch {batch:4d} {name:18s} triton_gemm={triton_gemm!s:5s}"
+                roofline_row(rows, label, seconds, floor_s, args.json, batch=batch, formulation=name,
+                             triton_gemm=triton_gemm)  # fmt: skip
     return 0
 
 

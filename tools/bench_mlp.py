@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jax_timing import best_seconds
+from jax_timing import best_seconds, roofline_row
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
-from qwen35_jax.serving.offline_bench import save_json
 
 
 def blocks():
@@ -93,12 +92,7 @@ def main(argv=None) -> int:
         for batch in args.batch:
             x = jax.random.normal(jax.random.key(batch), (batch, args.hidden), jnp.bfloat16)
             seconds = time_block(fn, x, layer_weights, args.iters, args.repeats)
-            row = dict(block=name, batch=batch, us=seconds * 1e6, floor_us=floor_s * 1e6,
-                       roofline_pct=100 * floor_s / seconds)  # fmt: skip
-            rows.append(row)
-            print(f"{name:14s} batch {batch:4d} {row['us']:8.1f} us  floor {row['floor_us']:6.1f} us  "
-                  f"{row['roofline_pct']:5.1f}% of roofline", flush=True)  # fmt: skip
-            save_json(args.json, rows)
+            roofline_row(rows, f"{name:14s} batch {batch:4d}", seconds, floor_s, args.json, block=name, batch=batch)
     return 0
 
 

@@ -34,3 +34,16 @@ def chained_seconds(step, first_out, state, iters: int, repeats: int, donate: bo
         result[0] = jax.block_until_ready(chain(result[0][1] if donate else state))
 
     return best_seconds(run, repeats) / iters, result[0][1]
+
+
+def roofline_row(rows: list, label: str, seconds: float, floor_s: float, json_path: str | None, **fields) -> dict:
+    """Appends {**fields, us, floor_us, roofline_pct} to rows, prints it beside its floor, and rewrites json_path
+    (the benchmarks keep what they measured when a run is stopped)."""
+    from qwen35_jax.serving.offline_bench import save_json
+
+    row = dict(fields, us=seconds * 1e6, floor_us=floor_s * 1e6, roofline_pct=100 * floor_s / seconds)
+    rows.append(row)
+    print(f"{label} {row['us']:8.1f} us  floor {row['floor_us']:6.1f} us  {row['roofline_pct']:5.1f}% of roofline",
+          flush=True)  # fmt: skip
+    save_json(json_path, rows)
+    return row
