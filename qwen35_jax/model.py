@@ -77,14 +77,23 @@ class GatedRMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: Qwen35Config, dtype):
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+    """down(silu(gate(x)) * up(x)). fused: gate and up as one [2 x intermediate, hidden] weight (`fuse_mlp`), one
+    product instead of two; the HF checkpoint's two tensors are what is loaded either way."""
+
+    def __init__(self, cfg: Qwen35Config, dtype, fused: bool = False):
+        if fused:
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
+        else:
+            self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def __call__(self, x):
-        gate = self.gate_proj(x)
-        return self.down_proj(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,14 +274,14 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen35Config, kind: str, dtype):
+    def __init__(self, cfg: Qwen35Config, kind: str, dtype, fused_mlp: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if kind == LINEAR:
             self.linear_attn = GatedDeltaNet(cfg, dtype)
         else:
             self.self_attn = Attention(cfg, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = MLP(cfg, dtype, fused_mlp)
 
     def __call__(self, h, cache, layer, state, ctx, linear_layer=None):
         """Linear layers read and return their GdnState (and, "in_pool", the slot pool in cache.ssm, their
@@ -288,9 +297,10 @@ class DecoderLayer(nnx.Module):
 class LayerGroup(nnx.Module):
     """One repeat of the layer pattern: linear_per_group GDN layers, then one full-attention layer."""
 
-    def __init__(self, cfg: Qwen35Config, dtype):
+    def __init__(self, cfg: Qwen35Config, dtype, fused_mlp: bool = False):
         self.cfg = cfg
-        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype) for kind in cfg.layer_types[: cfg.group_size]])
+        kinds = cfg.layer_types[: cfg.group_size]
+        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype, fused_mlp) for kind in kinds])
 
     def __call__(self, h, cache, group, states: GdnState, ctx):
         """states: [linear_per_group, R, ...] for this group's GDN layers; returns them updated."""
@@ -350,9 +360,11 @@ class ModelDef:
     # each instead of three); prefill rows and the conv states are still gathered. Kept for the GPU A/B
     # (docs/performance.md: the round trip is ~18 ms of a batch-256 step); not measured yet.
     gdn_state: str = "gather"
+    # The MLP's gate and up projections as one weight (`fuse_mlp`; the group graph definition has it too).
+    fused_mlp: bool = False
 
     def _key(self):
-        return self.cfg, str(self.dtype), self.layer_loop, self.gdn_state
+        return self.cfg, str(self.dtype), self.layer_loop, self.gdn_state, self.fused_mlp
 
     def __hash__(self):
         return hash(self._key())
@@ -361,12 +373,40 @@ class ModelDef:
         return isinstance(other, ModelDef) and self._key() == other._key()
 
 
-def abstract_model(cfg: Qwen35Config, dtype) -> tuple[ModelDef, dict[str, nnx.State]]:
-    """Graph definitions and abstract parameter state; group params are stacked on a leading [groups] axis."""
+def abstract_model(cfg: Qwen35Config, dtype, fused_mlp: bool = False) -> tuple[ModelDef, dict[str, nnx.State]]:
+    """Graph definitions and abstract parameter state; group params are stacked on a leading [groups] axis.
+    The checkpoint layout (weights.py) is the unfused one; `fuse_mlp` converts loaded params to fused_mlp."""
     top_def, top_state = nnx.split(nnx.eval_shape(lambda: Embedding(cfg, dtype)))
-    group_def, group_state = nnx.split(nnx.eval_shape(lambda: LayerGroup(cfg, dtype)))
+    group_def, group_state = nnx.split(nnx.eval_shape(lambda: LayerGroup(cfg, dtype, fused_mlp)))
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((cfg.num_groups, *s.shape), s.dtype), group_state)
-    return ModelDef(cfg, jnp.dtype(dtype), top_def, group_def), {"top": top_state, "groups": stacked}
+    model_def = ModelDef(cfg, jnp.dtype(dtype), top_def, group_def, fused_mlp=fused_mlp)
+    return model_def, {"top": top_state, "groups": stacked}
+
+
+def fuse_mlp(model_def: ModelDef, params, delete_unfused: bool = False) -> tuple[ModelDef, dict]:
+    """(model_def, params) with each MLP's gate and up weights concatenated into one gate_up_proj weight
+    [groups, 2 x intermediate, hidden] (gate rows first), for the stacked group params (before
+    `unstack_groups`). With delete_unfused each pair is freed once concatenated, so the peak is the weights plus
+    one layer position's gate and up. The layer loop and GDN state mode carry over."""
+    if isinstance(params["groups"], tuple):
+        raise ValueError("fuse_mlp needs the stacked group params: fuse before unstack_groups")
+    fused_def, abstract = abstract_model(model_def.cfg, model_def.dtype, fused_mlp=True)
+    fused_def = dataclasses.replace(fused_def, layer_loop=model_def.layer_loop, gdn_state=model_def.gdn_state)
+    by_path = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params["groups"])}
+
+    def fill(path, _):
+        key = jax.tree_util.keystr(path)
+        if "'gate_up_proj'" not in key:
+            return by_path[key]
+        gate, up = (by_path[key.replace("'gate_up_proj'", name)] for name in ("'gate_proj'", "'up_proj'"))
+        fused = jnp.concatenate([gate, up], axis=1)
+        if delete_unfused:
+            jax.block_until_ready(fused)
+            gate.delete()
+            up.delete()
+        return fused
+
+    return fused_def, {**params, "groups": jax.tree_util.tree_map_with_path(fill, abstract["groups"])}
 
 
 def _kv_destinations(inputs: StepInputs, page_size: int) -> tuple[jax.Array, jax.Array]:

@@ -73,6 +73,8 @@ def _serve_parser(subparsers) -> None:
         default=defaults.gdn_state,
         help="in_pool (decode rows' GDN states updated in the slot pool) | gather (gathered and scattered each step)",
     )
+    p.add_argument("--fused-mlp", default="off",
+                   help="on|off: the MLP's gate and up weights as one (one product instead of two); off until measured")  # fmt: skip
     p.add_argument("--trace-steps", action="store_true", help="log every step's plan (ITL_STEP lines)")
     p.set_defaults(handler=run_serve)
 
@@ -85,12 +87,14 @@ def engine_config(args, max_position_embeddings: int):
     if max_model_len is None:
         max_model_len = min(EngineConfig.max_model_len, max_position_embeddings)
     cache = None if args.compile_cache in ("", "off") else args.compile_cache
+    if args.fused_mlp not in ("on", "off"):
+        raise FlagError(f"--fused-mlp must be on|off, got {args.fused_mlp!r}")
     try:
         return EngineConfig(
             max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, max_model_len=max_model_len,
             gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
             scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap, compile_cache=cache,
-            layer_loop=args.layer_loop, gdn_state=args.gdn_state,
+            layer_loop=args.layer_loop, gdn_state=args.gdn_state, fused_mlp=args.fused_mlp == "on",
         )  # fmt: skip
     except ValueError as err:
         raise FlagError(str(err)) from None

@@ -1,5 +1,5 @@
 """The layer loop's three forms compute the same model: `scan` (the default), `unrolled` and `unstacked`
-(kept for GPU A/B measurements of the scan's cost, docs/performance.md)."""
+(kept for GPU A/B measurements of the scan's cost, docs/performance.md); so does the fused gate/up MLP weight."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from qwen35_jax.model import unstack_groups
+from qwen35_jax.model import fuse_mlp, unstack_groups
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 512, 90)]
 
@@ -37,6 +37,35 @@ def test_unstacked_layer_loop_equals_scan(tiny_model):
     finally:
         tiny_model.model_def, tiny_model.params = original_def, original_params
     np.testing.assert_allclose(unstacked, scan, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unstacked"])
+def test_fused_mlp_equals_separate_gate_and_up(tiny_model, layer_loop):
+    """fuse_mlp: one [2 x intermediate, hidden] product, split, instead of two products over the same rows: each
+    output is the same dot product (1e-6: only XLA's GEMM blocking may differ); the gate rows come first."""
+    separate = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    original_def, original_params = tiny_model.model_def, tiny_model.params
+    try:
+        fused_def, fused_params = fuse_mlp(original_def, original_params)
+        mlp = fused_params["groups"]["layers"][0]["mlp"]
+        assert fused_def.fused_mlp and set(mlp) == {"gate_up_proj", "down_proj"}
+        gate = original_params["groups"]["layers"][0]["mlp"]["gate_proj"]["weight"][...]
+        np.testing.assert_array_equal(mlp["gate_up_proj"]["weight"][...][:, : gate.shape[1]], gate)
+        if layer_loop == "unstacked":
+            fused_def, fused_params = (
+                dataclasses.replace(fused_def, layer_loop=layer_loop),
+                unstack_groups(fused_params),
+            )
+        tiny_model.model_def, tiny_model.params = fused_def, fused_params
+        fused = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    finally:
+        tiny_model.model_def, tiny_model.params = original_def, original_params
+    np.testing.assert_allclose(fused, separate, atol=1e-6, rtol=0)
+
+
+def test_fuse_mlp_refuses_unstacked_params(tiny_model):
+    with pytest.raises(ValueError, match="stacked"):
+        fuse_mlp(tiny_model.model_def, unstack_groups(tiny_model.params))
 
 
 def test_unstacked_loop_refuses_stacked_params(tiny_model):

@@ -306,6 +306,7 @@ def no_weight_loads(monkeypatch):
         (["--kernels", "pallas"], "--kernels"),
         (["--layer-loop", "while"], "--layer-loop"),
         (["--gdn-state", "pooled"], "--gdn-state"),
+        (["--fused-mlp", "yes"], "--fused-mlp"),
         (["--num-pages", "1"], "--num-pages"),
         (["--max-model-len", "100000"], "--max-model-len"),
         (["--port", "70000"], "--port"),
