@@ -352,13 +352,13 @@ class ModelDef:
     # "scan": one lax.scan over the layer groups (compile time independent of depth; the default).
     # "unrolled": a Python loop with static group indices into the stacked weights.
     # "unstacked": a Python loop over per-group weight arrays (`unstack_groups`), so no layer reads its
-    # weights through a slice. Both are kept to A/B the scan's per-step cost on the GPU: a copy of one
-    # group's weights per scan iteration is suspected (docs/performance.md).
+    # weights through a slice. On the GPU the scan copies one group's weights per iteration (measured,
+    # docs/performance.md), so the engine runs "unstacked" there (EngineConfig.layer_loop "auto").
     layer_loop: str = "scan"
     # "gather": the step's GDN states are gathered out of the slot pool, carried, and scattered back.
     # "in_pool": decode rows' recurrent states are updated in the pool by the kernel (one read and write of
-    # each instead of three); prefill rows and the conv states are still gathered. Kept for the GPU A/B
-    # (docs/performance.md: the round trip is ~18 ms of a batch-256 step); not measured yet.
+    # each instead of three); prefill rows and the conv states are still gathered. "in_pool" is the engine's
+    # default (EngineConfig.gdn_state; batch-256 decode 33 against 55 ms on the H200, docs/performance.md).
     gdn_state: str = "gather"
     # The MLP's gate and up projections as one weight (`fuse_mlp`; the group graph definition has it too).
     fused_mlp: bool = False
