@@ -18,9 +18,11 @@ import time
 import numpy as np
 from device_trace import time_by_name, trace_events
 
+from qwen35_jax.roofline import HBM_BYTES_PER_S
 
-def summarise(trace_dir: str, steps: int, top: int) -> dict:
-    kernels, host = trace_events(trace_dir)
+
+def summarise(kernels: list[dict], host: list[dict], steps: int, top: int) -> dict:
+    """kernels, host: the trace's device and host events (`device_trace.trace_events`)."""
     return {
         "kernels_per_step": len(kernels) / steps,
         "device_busy_ms_per_step": sum(e["dur"] for e in kernels) / steps / 1e3,
@@ -56,7 +58,6 @@ def hlo_summary(text: str) -> dict:
 
 
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1}
-HBM_BYTES_PER_S = 4.3e12
 
 
 def _shape_bytes(shapes: str) -> int:
@@ -163,12 +164,13 @@ def main() -> None:
     wall = (time.perf_counter() - start) / args.steps
     jax.profiler.stop_trace()
     hlo = engine.runner.executables[(args.batch, 0, 0)].as_text()
+    kernels, host = trace_events(args.trace_dir)
     report = {"batch": args.batch, "kernels": model.kernels.name, "layer_loop": args.layer_loop,
               "gdn_state": args.gdn_state, "fused_mlp": args.fused_mlp, "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "xla_options": args.xla_option or [],
-              "wall_ms_per_step": wall * 1e3, **summarise(args.trace_dir, args.steps, args.top),
+              "wall_ms_per_step": wall * 1e3, **summarise(kernels, host, args.steps, args.top),
               "decode_program_hlo": hlo_summary(hlo),
-              "top_kernel_traffic": kernel_traffic(trace_events(args.trace_dir)[0], args.steps, hlo, args.top),
+              "top_kernel_traffic": kernel_traffic(kernels, args.steps, hlo, args.top),
               "decode_program_scratch_bytes": engine.runner.temp_bytes[(args.batch, 0, 0)]}  # fmt: skip
     print(json.dumps(report, indent=2))
     if args.json:
