@@ -89,16 +89,3 @@ def resample(logits: jax.Array, rows: SamplingRows, tokens: jax.Array):
     """The tokens of rows with temperature > 0 replaced by a draw; returns (tokens [R] int32, their logprobs)."""
     tokens = jnp.where(rows.temperature > 0, _draw(logits, rows), tokens).astype(jnp.int32)
     return tokens, _logprob_of(logits, tokens)
-
-
-def sample(logits: jax.Array, rows: SamplingRows, num_top: int):
-    """greedy, the draw for sampled rows and the top logprobs in one program: (tokens, token logprob, top ids,
-    top logprobs).
-
-    The engine does not call this: its step program ends with `greedy`, and the runner launches small
-    programs with `resample` and `top_logprobs` only for steps that have a sampled row or a request for top
-    logprobs, choices the host makes from the requests' parameters. A `lax.cond` on the device (as this
-    module had) makes XLA's GPU runtime copy the predicate to the host and wait for it inside the launch, so
-    the host waited for every step it launched (H200 trace: 5.0 ms of a 9.7 ms launch, docs/performance.md)."""
-    tokens, _ = resample(logits, rows, greedy(logits)[0])
-    return tokens, *top_logprobs(logits, tokens, num_top)

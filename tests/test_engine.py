@@ -29,7 +29,8 @@ import pytest
 
 from qwen35_jax.api import load_model
 from qwen35_jax.sampling import SamplingParams, filtered_probs
-from qwen35_jax.serving.device_sampling import SamplingRows, sample
+from qwen35_jax.serving import device_sampling
+from qwen35_jax.serving.device_sampling import SamplingRows
 from qwen35_jax.serving.engine import GenerationParams, RequestOutput, SamplingRow, TokenLogprob
 from qwen35_jax.serving.runner import StepHandle
 from qwen35_jax.serving.scheduler import RequestRejected
@@ -615,6 +616,15 @@ def test_duplicate_live_request_id_is_rejected(engine):
 
 
 # ---- device sampling ----------------------------------------------------------------------------------
+
+
+def sample(logits, rows: SamplingRows, num_top: int):
+    """What the runner's programs compute for a step, in one function: greedy (the step program), the draw for
+    sampled rows (the sampler program) and the top logprobs (the top program) -> (tokens, token logprob, top ids,
+    top logprobs). The runner launches the last two only when a row samples or asks for top logprobs."""
+    tokens, _ = device_sampling.resample(logits, rows, device_sampling.greedy(logits)[0])
+    return tokens, *device_sampling.top_logprobs(logits, tokens, num_top)
+
 
 sample_jit = jax.jit(sample, static_argnums=2)
 
