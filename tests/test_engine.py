@@ -480,6 +480,18 @@ def test_threaded_loop_serves_aborts_and_shuts_down(tiny_model, engines):
 # ---- compiles -----------------------------------------------------------------------------------------
 
 
+def spy_row_programs(runner, monkeypatch) -> list[tuple[str, int]]:
+    """The (kind, output rows) of every row program the runner launches from now on (appended as they run)."""
+    used, row_program = [], runner.row_program
+
+    def spy(kind, r):
+        used.append((kind, r))
+        return row_program(kind, r)
+
+    monkeypatch.setattr(runner, "row_program", spy)
+    return used
+
+
 def test_serving_compiles_nothing_new(engine, monkeypatch):
     """A workload that runs every bucket program (prefill-only, decode-only and unified, at every B and T)
     and every row program (sampled decoders and top logprobs at every output row count) compiles nothing: no
@@ -490,14 +502,7 @@ def test_serving_compiles_nothing_new(engine, monkeypatch):
     assert set(runner.row_compile_seconds) == set(runner.buckets.row_programs()) == every_row_program
     before = runner.num_compiles
     backend_compiles = []
-    row_programs_used = []
-    row_program = runner.row_program
-
-    def spy_row_program(kind, r):
-        row_programs_used.append((kind, r))
-        return row_program(kind, r)
-
-    monkeypatch.setattr(runner, "row_program", spy_row_program)
+    row_programs_used = spy_row_programs(runner, monkeypatch)
 
     def on_event(event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT:
@@ -863,14 +868,7 @@ def test_top_logprobs_run_only_when_asked(engine, monkeypatch):
     or with logprobs=0 (the chosen token's only), no row program runs for a greedy request; the tokens and the
     chosen logprobs are those of a request that asked for the top 3, to 1e-5: the same formula compiled in two
     programs sums the vocabulary's (512 terms here) fp32 logsumexp in another order (a few ulps of |logprob| ~ 6)."""
-    used = []
-    row_program = engine.runner.row_program
-
-    def spy(kind, r):
-        used.append(kind)
-        return row_program(kind, r)
-
-    monkeypatch.setattr(engine.runner, "row_program", spy)
+    used = spy_row_programs(engine.runner, monkeypatch)
     p = prompt(20, seed=500)
     plain, chosen_only = generate(
         engine, [(p, GenerationParams(6, ignore_eos=True))] * 1 + [(p, greedy(6, logprobs=0))]
@@ -878,7 +876,7 @@ def test_top_logprobs_run_only_when_asked(engine, monkeypatch):
     assert used == []
     assert plain.logprobs == [] and [lp.top for lp in chosen_only.logprobs] == [[]] * 6
     with_top = generate(engine, [(p, greedy(6, logprobs=3))])[0]
-    assert used and set(used) == {"top"}
+    assert used and {kind for kind, _ in used} == {"top"}
     assert plain.token_ids == chosen_only.token_ids == with_top.token_ids
     for a, b in zip(chosen_only.logprobs, with_top.logprobs, strict=True):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) <= 1e-5 and len(b.top) == 3

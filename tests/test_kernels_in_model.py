@@ -58,14 +58,12 @@ def test_each_kernel_is_lowered_once_per_program(layer_loop):
 
     from qwen35_jax.cache import CacheSpec
     from qwen35_jax.config import preset
-    from qwen35_jax.model import abstract_model
+    from qwen35_jax.model import abstract_model, unstack_groups
     from qwen35_jax.serving.runner import Buckets, Runner
 
     model_def, params = abstract_model(preset("4b"), jnp.bfloat16)
     if layer_loop == "unstacked":
-        leaves, treedef = jax.tree.flatten(params["groups"])
-        group = [jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype) for leaf in leaves]
-        params = {**params, "groups": tuple(jax.tree.unflatten(treedef, group) for _ in range(leaves[0].shape[0]))}
+        params = jax.eval_shape(unstack_groups, params)
     model_def = dataclasses.replace(model_def, layer_loop=layer_loop, gdn_state="in_pool")
     runner = Runner(model_def, params, mixers("pallas"), CacheSpec(4, 16, 2), Buckets((4,), (1,), (64,)), 256)
     key = (4, 1, 64)
