@@ -228,11 +228,21 @@ class Runner:
                             jax.ShapeDtypeStruct((r,), jnp.uint32), i32((r,)))  # fmt: skip
         return self._row_jitted["sample"].lower(logits, rows, self.token_state, i32((r,)), i32((r,)))
 
-    def _compile_row_lowered(self, key: tuple[str, int], lowered, lower_seconds: float) -> object:
+    def _timed_compile(self, lowered, lower_seconds: float) -> tuple[object, float]:
+        """XLA's compile of a lowered program, with this runner's options; (executable, lower + compile seconds)."""
         start = time.perf_counter()
         executable = lowered.compile(compiler_options=self.compiler_options or None)
+        return executable, lower_seconds + time.perf_counter() - start
+
+    @staticmethod
+    def _lower_and_compile(key, lower, compile_lowered) -> object:
+        start = time.perf_counter()
+        lowered = lower(key)
+        return compile_lowered(key, lowered, time.perf_counter() - start)
+
+    def _compile_row_lowered(self, key: tuple[str, int], lowered, lower_seconds: float) -> object:
+        executable, self.row_compile_seconds[key] = self._timed_compile(lowered, lower_seconds)
         self.row_executables[key] = executable
-        self.row_compile_seconds[key] = lower_seconds + time.perf_counter() - start
         log.info("compiled %s R=%d in %.2fs", *key, self.row_compile_seconds[key])
         return executable
 
@@ -240,16 +250,12 @@ class Runner:
         """The compiled row program (compiled now if it was not: a test asserts that serving never does)."""
         key = (kind, r)
         if key not in self.row_executables:
-            start = time.perf_counter()
-            lowered = self._lower_row_program(key)
-            self._compile_row_lowered(key, lowered, time.perf_counter() - start)
+            self._lower_and_compile(key, self._lower_row_program, self._compile_row_lowered)
         return self.row_executables[key]
 
     def _compile_lowered(self, key, lowered, lower_seconds: float) -> object:
-        start = time.perf_counter()
-        executable = lowered.compile(compiler_options=self.compiler_options or None)
+        executable, self.compile_seconds[key] = self._timed_compile(lowered, lower_seconds)
         self.executables[key] = executable
-        self.compile_seconds[key] = lower_seconds + time.perf_counter() - start
         memory = executable.memory_analysis()
         self.temp_bytes[key] = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
         log.info("compiled step B=%d P=%d T=%d in %.2fs (%.1f MiB scratch)", *key, self.compile_seconds[key],
@@ -257,9 +263,7 @@ class Runner:
         return executable
 
     def compile(self, key) -> object:
-        start = time.perf_counter()
-        lowered = self._lower(key)
-        return self._compile_lowered(key, lowered, time.perf_counter() - start)
+        return self._lower_and_compile(key, self._lower, self._compile_lowered)
 
     def compile_all(self, progress=None, workers: int | None = None) -> float:
         """Compiles every bucket not compiled yet and returns the wall seconds it took. Tracing and lowering
