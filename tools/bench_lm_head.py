@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jax_timing import best_seconds, roofline_row
+from jax_timing import best_seconds, parse_gpu_benchmark_args, roofline_row
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
 
@@ -61,15 +61,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--vocab", type=int, default=248320)
     parser.add_argument("--hidden", type=int, default=2560)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    if jax.devices()[0].platform != "gpu":
-        print("GPU only", file=sys.stderr)
+    args = parse_gpu_benchmark_args(parser, argv, iters=20)
+    if args is None:
         return 2
     key = jax.random.key(0)
     emb = jax.random.normal(key, (args.vocab, args.hidden), jnp.bfloat16)

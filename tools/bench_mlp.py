@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jax_timing import best_seconds, roofline_row
+from jax_timing import best_seconds, parse_gpu_benchmark_args, roofline_row
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
 
@@ -74,16 +74,11 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--hidden", type=int, default=2560)
     parser.add_argument("--intermediate", type=int, default=9216)
     parser.add_argument("--layers", type=int, default=4, help="distinct weight copies cycled through")
-    parser.add_argument("--iters", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    if jax.devices()[0].platform != "gpu":
-        print("GPU only", file=sys.stderr)
+    args = parse_gpu_benchmark_args(parser, argv, iters=32)
+    if args is None:
         return 2
     floor_s = 3 * args.hidden * args.intermediate * 2 / HBM_BYTES_PER_S
     rows = []

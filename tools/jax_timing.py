@@ -47,3 +47,21 @@ def roofline_row(rows: list, label: str, seconds: float, floor_s: float, json_pa
           flush=True)  # fmt: skip
     save_json(json_path, rows)
     return row
+
+
+def parse_gpu_benchmark_args(parser, argv, iters: int):
+    """Adds the timing and output flags every weight-GEMM benchmark takes (--batch, --iters, --repeats, --json),
+    parses argv, and returns the args, or None (after saying why) when JAX has no GPU to time."""
+    import sys
+
+    import jax
+
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if jax.devices()[0].platform != "gpu":
+        print("GPU only", file=sys.stderr)
+        return None
+    return args
