@@ -114,10 +114,6 @@ def pooled(parts: list[dict]) -> dict:
     }  # fmt: skip
 
 
-def run_gate(workdir: Path, seed: int = 0, kernels: str = "ref") -> dict:
-    return run_gates(workdir, seed, (kernels,))[kernels]
-
-
 def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",)) -> dict[str, dict]:
     """One HF run (bf16 and fp32) and one load of the checkpoint by the project, then the project's logits once per
     kernel set against the same HF numbers."""
