@@ -4,6 +4,8 @@
 - `ref`: the pure-JAX references (every platform).
 - `pallas`: the Pallas (Triton lowering) GPU kernels; `mixers("pallas", interpret=True)` runs them in
   Pallas interpret mode on any platform, which is how the CPU tests check that they slot in.
+A set may take single kernels from another, for A/B runs and for finding the kernel that moves a result:
+`pallas+linear=ref` is the Pallas set with XLA's weight products.
 `pallas` compiles through Triton, so only a GPU can run it outside interpret mode: the command-line flags
 refuse it elsewhere (`check_selectable`), before any weight loads. Its GPU tests pass on the H200 at 4B
 shapes (docs/kernels.md).
@@ -30,6 +32,7 @@ from qwen35_jax.kernels.gdn_decode import (
     gdn_decode_ref,
 )
 from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
+from qwen35_jax.kernels.linear import linear_pallas, linear_ref
 from qwen35_jax.kernels.prefill_attention import paged_prefill_attention_pallas, paged_prefill_attention_ref
 
 KERNEL_SETS = ("ref", "pallas")
@@ -44,16 +47,17 @@ class Mixers(NamedTuple):
     decode_attention: object
     prefill_attention: object
     gdn_decode_pool: object  # the GDN decode updating the slot pool in place (ModelDef.gdn_state "in_pool")
+    linear: object  # the weight products x @ W^T of the layers (decode-sized batches; larger ones go to XLA)
 
 
 REF = Mixers(
     "ref", gdn_chunked_prefill_ref, gdn_decode_ref, causal_conv1d_prefill_ref, causal_conv1d_update_ref,
-    paged_decode_attention_ref, paged_prefill_attention_ref, gdn_decode_pool_ref,
+    paged_decode_attention_ref, paged_prefill_attention_ref, gdn_decode_pool_ref, linear_ref,
 )  # fmt: skip
 
 _PALLAS = (
     gdn_chunked_prefill_pallas, gdn_decode_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pallas,
-    paged_decode_attention_pallas, paged_prefill_attention_pallas, gdn_decode_pool_pallas,
+    paged_decode_attention_pallas, paged_prefill_attention_pallas, gdn_decode_pool_pallas, linear_pallas,
 )  # fmt: skip
 # Each kernel is wrapped in its own jax.jit: a step calls the same kernel at the same shapes in many layers
 # (24 GDN and 8 attention layers at 4B), and JAX lowers a nested jit once per program and calls it from each
@@ -66,18 +70,28 @@ PALLAS_INTERPRET = Mixers("pallas-interpret", *(jax.jit(functools.partial(f, int
 
 
 def mixers(name: str, interpret: bool = False) -> Mixers:
-    if name == "ref":
-        return REF
-    if name == "pallas":
-        return PALLAS_INTERPRET if interpret else PALLAS
-    raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")
+    """The kernel set `name`: "ref", "pallas", or one of them with single kernels swapped ("pallas+linear=ref")."""
+    base, *swaps = name.split("+")
+    if base == "ref":
+        mix = REF
+    elif base == "pallas":
+        mix = PALLAS_INTERPRET if interpret else PALLAS
+    else:
+        raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")
+    for swap in swaps:
+        field, _, source = swap.partition("=")
+        if field not in Mixers._fields[1:] or source not in KERNEL_SETS:
+            raise ValueError(f"kernel set {name!r}: a swap is KERNEL=SET, KERNEL one of {Mixers._fields[1:]}, "
+                             f"SET one of {KERNEL_SETS}; got {swap!r}")  # fmt: skip
+        mix = mix._replace(**{field: getattr(mixers(source, interpret), field)})
+    return mix._replace(name=name) if swaps else mix
 
 
 def check_selectable(name: str, platform: str | None = None) -> None:
     """Raises ValueError naming --kernels unless the set exists and runs on `platform` (default: JAX's)."""
     mixers(name)
     platform = platform or jax.default_backend()
-    if name == "pallas" and platform != "gpu":
+    if "pallas" in name and platform != "gpu":
         raise ValueError(
             f"--kernels pallas needs a GPU (the kernels compile through Triton); JAX runs on {platform}: "
             "use --kernels ref"

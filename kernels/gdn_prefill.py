@@ -131,6 +131,10 @@ DOTS = ("bf16", "tf32", "ieee")
 # "tf32": with "bf16" the 4B golden gate fails on the H200 (26 calibrated misses against a limit of 19.5; with the
 # reference GDN prefill in the Pallas set, 12), docs/accuracy.md.
 DEFAULT_DOTS = "tf32"
+# The WY kernel's defaults, measured on the H200 at 4B heads (session 5, docs/kernels.md): 4 warps and the
+# doubling solve take the kernel from 0.099 / 0.788 ms (8 warps, rows) to 0.044 / 0.296 ms at 1k / 8k tokens.
+DEFAULT_SOLVE = "doubling"
+DEFAULT_PREP_WARPS = 4
 
 
 def _dot(a, b, dots: str, contract=((1,), (0,))):
@@ -356,7 +360,7 @@ def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _wy_prep(k, v, g, beta, lengths, dots: str, interpret: bool, num_warps: int = 8, solve: str = "rows"):
+def _wy_prep(k, v, g, beta, lengths, dots: str, interpret: bool, num_warps: int, solve: str):
     """k [P, T, nk, dk], v [P, T, nv, dv], g/beta [P, T, nv] -> w [P, nv, T, dk], u [P, nv, T, dv], gamma [P, nv, T]."""
     num_rows, seq, num_heads, dv = v.shape
     dk = k.shape[-1]
@@ -526,7 +530,7 @@ def gdn_chunked_prefill_pallas(
     prep_warps=None,
     output_warps=None,
     dots=None,
-    solve="rows",
+    solve=None,
 ):
     """Pallas form of `gdn_chunked_prefill_ref`: same layouts, math and result dtypes.
 
@@ -537,16 +541,16 @@ def gdn_chunked_prefill_pallas(
     one row, bf16, on the H200 (`tools/bench_gdn_prefill.py --output-pass fused parallel`, docs/kernels.md).
     block_v / num_warps / num_stages tile the sequential pass (dv slice per program, warps per program, Triton's
     software-pipelining depth of its chunk loop); None picks defaults (num_stages 2). prep_warps / output_warps: warps of
-    the WY kernel (default 8) and of the parallel output kernel (default OUTPUT_NUM_WARPS), for tuning sweeps; fla
+    the WY kernel (default DEFAULT_PREP_WARPS) and of the parallel output kernel (default OUTPUT_NUM_WARPS), for tuning sweeps; fla
     autotunes warps and stages of every one of its kernels per shape, these are fixed until measured.
     dots: the matmul operand precision for bf16 inputs (fp32 inputs always take "ieee"): "bf16" rounds every operand
     (W, U, chunk states, V', normalised q/k) to bf16, as flash-linear-attention does; "tf32" keeps them fp32 (W and
     the products `_coarse` names excepted) and multiplies in TF32, for an output error about 8x smaller against the
     fp32 reference (CPU emulation at 4B head shapes, tools/gdn_precision.py) at the cost of fp32 traffic between
     passes. None: DEFAULT_DOTS.
-    solve: how the WY kernel inverts its 16 x 16 diagonal blocks, "rows" (forward substitution one row at a time)
-    or "doubling" (repeated squaring, six small matmuls; interpret-tested, not yet timed on a GPU: the WY kernel
-    is the largest gap to fla's, docs/kernels.md).
+    solve: how the WY kernel inverts its 16 x 16 diagonal blocks, "rows" (forward substitution one row at a time,
+    each step a masked cross-tile reduction) or "doubling" (repeated squaring, six small exact-fp32 matmuls).
+    None: DEFAULT_SOLVE for bf16 inputs, "rows" for fp32 inputs.
 
     The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.
     dk and dv must be powers of two >= 16 (Triton tiles); T any length (padded to a multiple of 64 inside).
@@ -560,6 +564,10 @@ def gdn_chunked_prefill_pallas(
     dots = "ieee" if q.dtype == jnp.float32 else (dots or DEFAULT_DOTS)
     if dots not in DOTS:
         raise ValueError(f"dots={dots!r}: one of {DOTS}")
+    # fp32 inputs keep the row solve: on near-duplicate keys the squaring's rounding reaches ~2e-5 of the state
+    # (tests/test_kernels_gdn_prefill.py), 50x the row solve's, which the fp32 (accuracy) path does not need to
+    # give up; next to bf16 operand rounding (2^-9) it is nothing.
+    solve = solve or ("rows" if dots == "ieee" else DEFAULT_SOLVE)
     if solve not in SOLVES:
         raise ValueError(f"solve={solve!r}: one of {tuple(SOLVES)}")
     block_v = block_v or _default_block_v(num_rows, num_heads, dv)
@@ -568,7 +576,9 @@ def gdn_chunked_prefill_pallas(
     if pad:
         q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, seq)
-    w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, dots, interpret, prep_warps or 8, solve)
+    w, u, gamma = _wy_prep(
+        k, v, g.astype(jnp.float32), beta, lengths, dots, interpret, prep_warps or DEFAULT_PREP_WARPS, solve
+    )
     state = state.astype(jnp.float32)
     if output_pass == "fused":
         out, state = _state_pass(q, k, w, u, gamma, state, lengths, v.dtype, tiling, dots, interpret)

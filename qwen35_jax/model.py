@@ -21,6 +21,7 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
+from qwen35_jax.kernels.linear import linear_ref
 
 
 def _param(shape, dtype) -> nnx.Param:
@@ -28,18 +29,18 @@ def _param(shape, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
 
 
-def matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x [..., in] @ weight[out, in]^T, the HF layout, with fp32 accumulation and x's dtype out."""
-    out = lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
+# x [..., in] @ weight[out, in]^T, the HF layout, with fp32 accumulation and x's dtype out (XLA's dot): the
+# products' default where no kernel set is given (a step passes its `Mixers.linear`).
+matmul = linear_ref
 
 
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, dtype):
         self.weight = _param((out_features, in_features), dtype)
 
-    def __call__(self, x):
-        return matmul(x, self.weight[...])
+    def __call__(self, x, linear=matmul):
+        """linear: the product's implementation, `matmul`'s signature (the step's `Mixers.linear`)."""
+        return linear(x, self.weight[...])
 
 
 class Weight(nnx.Module):
@@ -88,12 +89,12 @@ class MLP(nnx.Module):
             self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
-    def __call__(self, x):
+    def __call__(self, x, linear=matmul):
         if hasattr(self, "gate_up_proj"):
-            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+            gate, up = jnp.split(self.gate_up_proj(x, linear), 2, axis=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up)
+            gate, up = self.gate_proj(x, linear), self.up_proj(x, linear)
+        return self.down_proj(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, linear)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,10 +186,11 @@ class GatedDeltaNet(nnx.Module):
         """x [N, hidden]; state: this layer's rows (decode rows first, then prefill rows), except that with
         pools.ssm set ("in_pool") state.ssm holds the prefill rows only and the decode rows' recurrent states
         are updated in pools.ssm, GDN layer `layer` of it. Returns (output, new state, pools)."""
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        beta = jax.nn.sigmoid(self.in_proj_b(x))
-        a = self.in_proj_a(x).astype(jnp.float32)
+        linear = ctx.mixers.linear
+        mixed = self.in_proj_qkv(x, linear)
+        z = self.in_proj_z(x, linear)
+        beta = jax.nn.sigmoid(self.in_proj_b(x, linear))
+        a = self.in_proj_a(x, linear).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         ssm_sides = ctx.split_rows(state.ssm) if pools.ssm is None else (None, state.ssm)
         sides = (ctx.split(mixed), ctx.split(g), ctx.split(beta), ssm_sides, ctx.split_rows(state.conv))
@@ -205,7 +207,7 @@ class GatedDeltaNet(nnx.Module):
         out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)
         ssms = [x for x in ssms if x is not None]  # "in_pool": the decode side returns no state
         ssm = jnp.concatenate(ssms) if ssms else state.ssm  # "in_pool" with no prefill rows: state.ssm is empty
-        return self.out_proj(out), GdnState(ssm, jnp.concatenate(convs)), pools
+        return self.out_proj(out, linear), GdnState(ssm, jnp.concatenate(convs)), pools
 
 
 def rotate_half(x):
@@ -246,10 +248,11 @@ class Attention(nnx.Module):
         cfg = self.cfg
         n, dim = x.shape[0], cfg.head_dim
         # q_proj rows are interleaved per head: [query_h | gate_h] for each head h.
-        q_gate = self.q_proj(x).reshape(n, cfg.num_attention_heads, 2 * dim)
+        linear = ctx.mixers.linear
+        q_gate = self.q_proj(x, linear).reshape(n, cfg.num_attention_heads, 2 * dim)
         query, gate = q_gate[..., :dim], q_gate[..., dim:].reshape(n, -1)
-        k = self.k_proj(x).reshape(n, cfg.num_key_value_heads, dim)
-        v = self.v_proj(x).reshape(n, cfg.num_key_value_heads, dim)
+        k = self.k_proj(x, linear).reshape(n, cfg.num_key_value_heads, dim)
+        v = self.v_proj(x, linear).reshape(n, cfg.num_key_value_heads, dim)
         q = apply_rope(self.q_norm(query), ctx.cos, ctx.sin)
         k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
         return q, k, v, gate
@@ -270,7 +273,7 @@ class Attention(nnx.Module):
             )
         out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
         out = (out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)
-        return self.o_proj(out), dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+        return self.o_proj(out, ctx.mixers.linear), dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 
 
 class DecoderLayer(nnx.Module):
@@ -291,7 +294,7 @@ class DecoderLayer(nnx.Module):
         else:
             out, cache = self.self_attn(self.input_layernorm(h), cache, layer, ctx)
         h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h)), cache, state
+        return h + self.mlp(self.post_attention_layernorm(h), ctx.mixers.linear), cache, state
 
 
 class LayerGroup(nnx.Module):

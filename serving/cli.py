@@ -73,8 +73,8 @@ def _serve_parser(subparsers) -> None:
         default=defaults.gdn_state,
         help="in_pool (decode rows' GDN states updated in the slot pool) | gather (gathered and scattered each step)",
     )
-    p.add_argument("--fused-mlp", default="off",
-                   help="on|off: the MLP's gate and up weights as one (one product instead of two); off until measured")  # fmt: skip
+    p.add_argument("--fused-mlp", default="on" if defaults.fused_mlp else "off",
+                   help="on|off: the MLP's gate and up weights as one (one product instead of two)")  # fmt: skip
     p.add_argument("--trace-steps", action="store_true", help="log every step's plan (ITL_STEP lines)")
     p.set_defaults(handler=run_serve)
 

@@ -59,7 +59,7 @@ class EngineConfig:
     # The MLP's gate and up weights as one [2 x intermediate, hidden] weight, one product instead of two: XLA did
     # not merge the two batch-1 GEMVs on the H200 (49% of HBM bandwidth each, docs/performance.md). Off until
     # tools/bench_mlp.py and the engine A/B say it is faster.
-    fused_mlp: bool = False
+    fused_mlp: bool = True
     # XLA compile options for every program, ((name, value), ...), e.g. (("xla_gpu_enable_triton_gemm", False),)
     # for A/B runs (offline_bench --xla-option); part of the persistent cache key. XLA rejects unknown names.
     xla_options: tuple = ()

@@ -249,7 +249,7 @@ def main(argv=None) -> None:
         choices=("gather", "in_pool"),
         help="A/B: decode rows' GDN states gathered and scattered, or updated in the pool",
     )
-    parser.add_argument("--fused-mlp", default="off", choices=("on", "off"),
+    parser.add_argument("--fused-mlp", default="on", choices=("on", "off"),
                         help="A/B: the MLP's gate and up weights as one product (EngineConfig.fused_mlp)")  # fmt: skip
     parser.add_argument("--xla-option", action="append", default=None, metavar="NAME=VALUE",
                         help="an XLA compile option for every program (A/B), e.g. xla_gpu_enable_triton_gemm=false; "

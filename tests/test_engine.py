@@ -805,21 +805,22 @@ def test_unstacked_layer_loop_serves_the_same_tokens(engines, engine):
         engines.release(unstacked)
 
 
-def test_fused_mlp_engine_serves_the_same_tokens(engines, engine):
-    """--fused-mlp on (gate and up as one weight, fused at build before unstacking) gives the default engine's
-    greedy tokens, with the unstacked loop too. A model of its own: building the engine replaces its weights."""
+def test_unfused_mlp_engine_serves_the_same_tokens(engines, engine, tiny_model):
+    """--fused-mlp on (the default: gate and up as one weight, fused at build before unstacking) and off give the
+    same greedy tokens, with the unstacked loop too. A model of its own: building the engine replaces its weights."""
     from qwen35_jax.api import load_model
 
     model = load_model("tiny", dtype="float32")
-    fused = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, fused_mlp=True,
-                          layer_loop="unstacked")  # fmt: skip
+    unfused = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, fused_mlp=False,
+                            layer_loop="unstacked")  # fmt: skip
     try:
-        assert model.model_def.fused_mlp and model.model_def.layer_loop == "unstacked"
+        assert tiny_model.model_def.fused_mlp, "the default engine fuses the MLP"
+        assert not model.model_def.fused_mlp and model.model_def.layer_loop == "unstacked"
         requests = [(prompt(n, seed=400 + n), greedy(m)) for n, m in [(5, 6), (40, 5)]]
-        for got, want in zip(generate(fused, requests), generate(engine, requests), strict=True):
+        for got, want in zip(generate(unfused, requests), generate(engine, requests), strict=True):
             assert_same_greedy(got, want)
     finally:
-        engines.release(fused)
+        engines.release(unfused)
 
 
 def test_auto_layer_loop_is_unstacked_on_a_gpu_only():

@@ -234,12 +234,12 @@ def main() -> None:
     parser.add_argument("--prep-warps", type=int, nargs="+", default=[0], help="of the WY kernel; 0: default")
     parser.add_argument("--output-warps", type=int, nargs="+", default=[0], help="of the output kernel; 0: default")
     parser.add_argument(
-        "--output-pass", nargs="+", default=["fused", "parallel"], choices=["fused", "parallel"],
+        "--output-pass", nargs="+", default=["parallel"], choices=["fused", "parallel"],
         help="output inside the sequential pass (fused) or in a parallel third pallas_call (parallel)",
     )  # fmt: skip
-    parser.add_argument("--dots", nargs="+", default=["bf16"], choices=["bf16", "tf32"],
+    parser.add_argument("--dots", nargs="+", default=["tf32"], choices=["bf16", "tf32"],
                         help="matmul operand precision of the kernel (bf16 inputs)")  # fmt: skip
-    parser.add_argument("--solve", nargs="+", default=["rows"], choices=["rows", "doubling"],
+    parser.add_argument("--solve", nargs="+", default=["doubling"], choices=["rows", "doubling"],
                         help="how the WY kernel inverts its diagonal blocks")  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)

@@ -123,16 +123,19 @@ def main() -> None:
                         help="of free device memory for the pools: the profile needs only batch x (context + 60) "
                              "tokens. At 0.5 the batch-64/256 runs on the H200 stopped while compiling, XLA's "
                              "rematerialisation pass reporting the program over its memory limit (session 4)")  # fmt: skip
-    parser.add_argument("--fused-mlp", default="off", choices=("on", "off"), help="as offline_bench --fused-mlp")
+    parser.add_argument("--fused-mlp", default="on", choices=("on", "off"), help="as offline_bench --fused-mlp")
     parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
     args = parser.parse_args()
     model = load_model(args.model, kernels=args.kernels)
+    # Every row must still be decoding when the last prompt is in: prompts are prefilled one chunk a step, so the
+    # first row decodes `batch` tokens before the last one starts (60 tokens left batch 64 never all decoding).
+    max_tokens = args.batch + args.steps + 16
     config = EngineConfig(
         max_batch=args.batch,
         max_prefill_tokens=args.context,
-        max_model_len=args.context + 64,
+        max_model_len=args.context + max_tokens + 16,
         gpu_memory_fraction=args.gpu_memory_fraction,
         compile_cache=args.compile_cache,
         layer_loop=args.layer_loop,
@@ -146,15 +149,21 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for _ in range(args.batch):
         engine.submit(
-            rng.integers(0, 248044, args.context).tolist(), GenerationParams(60, ignore_eos=True), lambda out: None
+            rng.integers(0, 248044, args.context).tolist(),
+            GenerationParams(max_tokens, ignore_eos=True),
+            lambda out: None,
         )
 
     def all_decoding():
         running = engine.scheduler.running.values()
         return len(running) == args.batch and all(r.remaining_prompt == 0 for r in running)
 
-    while not all_decoding():
+    for _ in range(4 * args.batch + 16):  # one prompt chunk a step, plus slack
+        if all_decoding():
+            break
         engine.step()
+    else:
+        raise SystemExit(f"the {args.batch} rows were never all decoding at once (pool or budget too small?)")
     for _ in range(4):
         engine.step()
     jax.profiler.start_trace(args.trace_dir)

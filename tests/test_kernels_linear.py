@@ -1,0 +1,115 @@
+"""The decode weight-product kernel (`kernels.linear`) against its reference and against exact products: in
+interpret mode on the CPU, lowered for the H200, and compiled on the GPU (`-m gpu`) at 4B shapes.
+
+Tolerances, from the summation-error bound: both sides sum K fp32 products of the same operands, in different
+orders (blocks of block_k, splits added last), so each differs from the exact sum by at most
+gamma_K * sum_k |x_k w_k| with gamma_K ~ K * 2^-24 (the standard worst-case bound for recursive summation;
+tensor-core and blocked sums are tighter). fp32 inputs: |kernel - exact| <= K * 2^-24 * (|x| @ |w|^T).
+bf16 outputs add one rounding to bf16: 2^-8 of |exact| (half an ulp each side of a rounding boundary, so
+kernel and reference may sit one bf16 step apart). A dropped K split, block or wrong column moves outputs by
+O(|x| @ |w|^T), orders of magnitude above these bounds.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _lowering import lower_for_h200
+
+from qwen35_jax.kernels import check_selectable, mixers
+from qwen35_jax.kernels.linear import MAX_ROWS, default_splits, linear_pallas, linear_ref
+
+
+def operands(m, n, k, dtype, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (m, k)).astype(dtype), jax.random.normal(kw, (n, k)).astype(dtype)
+
+
+def assert_within_summation_bound(y, x, w):
+    """y against the exact product (float64 on the host), within the bound of the module docstring."""
+    x64, w64 = np.float64(np.float32(x)), np.float64(np.float32(w))
+    exact, magnitude = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+    k = x.shape[-1]
+    bound = k * 2.0**-24 * magnitude
+    if y.dtype == jnp.bfloat16:
+        bound = bound + 2.0**-8 * np.abs(exact)
+    err = np.abs(np.float64(np.float32(y)) - exact)
+    assert np.all(err <= bound), f"max err {err.max():.3g}, bound there {bound.flat[np.argmax(err - bound)]:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m, n, k, splits", [(1, 256, 1024, None), (5, 128, 2048, 2), (16, 64, 512, 1),
+                                             (MAX_ROWS, 192, 768, 3), (3, 32, 64, None)])  # fmt: skip
+def test_matches_exact_product_within_summation_bound(m, n, k, splits, dtype):
+    """Rows 1..MAX_ROWS (padded to tensor-core tiles inside), K split or not, N and K not powers of two."""
+    x, w = operands(m, n, k, dtype)
+    y = linear_pallas(x, w, splits=splits, interpret=True)
+    assert y.shape == (m, n) and y.dtype == dtype
+    assert_within_summation_bound(y, x, w)
+    assert_within_summation_bound(linear_ref(x, w), x, w)  # the bound holds for the reference too
+
+
+def test_leading_dims_are_flattened_and_restored():
+    x, w = operands(6, 128, 256, jnp.float32)
+    y = linear_pallas(x.reshape(2, 3, 256), w, interpret=True)
+    assert y.shape == (2, 3, 128)
+    np.testing.assert_array_equal(y.reshape(6, 128), linear_pallas(x, w, interpret=True))
+
+
+@pytest.mark.parametrize("m, n, k", [(MAX_ROWS + 1, 128, 256), (4, 40, 256), (4, 64, 200)])
+def test_what_the_kernel_does_not_take_is_the_reference_exactly(m, n, k):
+    """More rows than MAX_ROWS (prefill), or N / K not multiples of 16: XLA's product, bit for bit."""
+    x, w = operands(m, n, k, jnp.bfloat16)
+    np.testing.assert_array_equal(np.float32(linear_pallas(x, w, interpret=True)), np.float32(linear_ref(x, w)))
+
+
+def test_splits_must_divide_the_k_steps():
+    x, w = operands(1, 64, 512, jnp.float32)
+    with pytest.raises(ValueError, match="splits=3"):
+        linear_pallas(x, w, block_k=128, splits=3, interpret=True)
+
+
+def test_default_splits_reach_enough_programs_on_narrow_weights():
+    """4B: N = 2560 (out_proj, down) gets its K split; wide weights (gate/up, 18432) barely; every split keeps
+    >= 4 block_k steps and divides K's steps."""
+    assert default_splits(2560, 9216, 64, 256) == 9  # 36 steps: 40 x 9 programs
+    assert default_splits(2560, 4096, 64, 256) == 4  # 16 steps
+    assert default_splits(18432, 2560, 64, 256) == 2  # 10 steps: 288 x 2
+    assert default_splits(64, 512, 64, 256) == 1  # 2 steps: no split leaves 4
+
+
+def test_lowers_to_triton_for_h200():
+    """4B gate/up and down products at batch 1 and 64: Triton accepts the tiles; the grids are (N/64, splits)."""
+    spec = jax.ShapeDtypeStruct
+    grids = []
+    for m, n, k in [(1, 18432, 2560), (64, 2560, 9216)]:
+        text = lower_for_h200(linear_pallas, spec((m, k), jnp.bfloat16), spec((n, k), jnp.bfloat16)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        grids.append(re.findall(r"grid_[xyz] = (\d+)", text))
+    assert grids == [["288", "2", "1"], ["40", "9", "1"]]
+
+
+def test_kernel_sets_swap_single_kernels():
+    """`pallas+linear=ref`: the Pallas set with XLA's products (an A/B flag of the engine); bad swaps refused."""
+    swapped = mixers("pallas+linear=ref", interpret=True)
+    pallas = mixers("pallas", interpret=True)
+    assert swapped.linear is mixers("ref").linear and swapped.name == "pallas+linear=ref"
+    assert swapped._replace(linear=pallas.linear, name=pallas.name) == pallas
+    for bad in ("pallas+linear", "pallas+lin=ref", "pallas+linear=triton"):
+        with pytest.raises(ValueError, match="a swap is KERNEL=SET"):
+            mixers(bad)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        check_selectable("ref+linear=pallas", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 18432, 2560), (16, 2560, 9216), (64, 2560, 4096), (64, 8192, 2560),
+                                     (1, 32, 2560)])  # fmt: skip
+def test_gpu_matches_exact_product_at_4b_shapes(m, n, k):
+    x, w = operands(m, n, k, jnp.bfloat16, seed=m)
+    y = jax.jit(linear_pallas)(x, w)
+    assert_within_summation_bound(y, x, w)
