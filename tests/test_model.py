@@ -40,9 +40,13 @@ def test_unstacked_layer_loop_equals_scan(tiny_model):
 
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unstacked"])
-def test_fused_mlp_equals_separate_gate_and_up(tiny_model, layer_loop):
+def test_fused_mlp_equals_separate_gate_and_up(layer_loop):
     """fuse_mlp: one [2 x intermediate, hidden] product, split, instead of two products over the same rows: each
-    output is the same dot product (1e-6: only XLA's GEMM blocking may differ); the gate rows come first."""
+    output is the same dot product (1e-6: only XLA's GEMM blocking may differ); the gate rows come first.
+    A model of its own: the shared tiny model is fused in place by the engines built from it (the default)."""
+    from qwen35_jax.api import load_model
+
+    tiny_model = load_model("tiny", dtype="float32")
     separate = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
     original_def, original_params = tiny_model.model_def, tiny_model.params
     try:
