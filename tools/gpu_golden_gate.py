@@ -138,9 +138,12 @@ def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",)) -> dict[str, d
     return {k: compare_with_project(model, runs, hf, k, dict(timings)) for k in kernel_sets}
 
 
+BF16_GDN_PREFILL = "gdn_prefill=pallas-bf16"
+
+
 def kernel_set(spec: str):
-    """A kernel set, optionally with single mixers swapped, to find the kernel that moves the gate:
-    "pallas+gdn_prefill=ref" is the Pallas set with the reference GDN prefill; "gdn_prefill=pallas-bf16" takes the
+    """A kernel set as `--kernels` takes it (`qwen35_jax.kernels.mixers`: "pallas+gdn_prefill=ref" is the Pallas set
+    with the reference GDN prefill), plus one swap only the gate needs: "pallas+gdn_prefill=pallas-bf16" takes the
     Pallas GDN prefill with bf16 matmul operands (dots="bf16") instead of its default."""
     import functools
 
@@ -150,16 +153,9 @@ def kernel_set(spec: str):
     from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas
 
     base, *swaps = spec.split("+")
-    mix = mixers(base)
-    for swap in swaps:
-        field, _, source = swap.partition("=")
-        if field not in mix._fields[1:]:
-            raise ValueError(f"{spec}: no mixer {field!r}; one of {mix._fields[1:]}")
-        if (field, source) == ("gdn_prefill", "pallas-bf16"):
-            kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, dots="bf16"))
-        else:
-            kernel = getattr(mixers(source), field)
-        mix = mix._replace(**{field: kernel})
+    mix = mixers("+".join([base, *(swap for swap in swaps if swap != BF16_GDN_PREFILL)]))
+    if BF16_GDN_PREFILL in swaps:
+        mix = mix._replace(gdn_prefill=jax.jit(functools.partial(gdn_chunked_prefill_pallas, dots="bf16")))
     return base, mix._replace(name=spec)
 
 
