@@ -10,6 +10,7 @@ layers run once over all tokens, the token mixers run per side through the kerne
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -22,6 +23,14 @@ from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
 from qwen35_jax.kernels.linear import linear_ref
+
+# Fused weights (`fuse_weights`): each fused projection and the checkpoint's weights it concatenates, rows in
+# this order. The checkpoint layout (weights.py) is always the unfused one.
+FUSED_MLP = {"gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_QKV = {
+    "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+}
 
 
 def _param(shape, dtype) -> nnx.Param:
@@ -142,19 +151,38 @@ class GdnState:
     conv: jax.Array  # [..., R, K-1, conv_dim] model dtype
 
 
+def _split_columns(y: jax.Array, widths) -> list[jax.Array]:
+    """A fused projection's output [..., sum(widths)] -> its parts, in the order the weights were concatenated."""
+    return jnp.split(y, list(itertools.accumulate(widths))[:-1], axis=-1)
+
+
+def _projections(module, fused_name: str, names, widths, x, linear) -> list[jax.Array]:
+    """The outputs of the input projections `names` over x: one product with the concatenated weight when the
+    module holds `fused_name` (`fuse_weights`), one product each otherwise."""
+    if hasattr(module, fused_name):
+        return _split_columns(getattr(module, fused_name)(x, linear), widths)
+    return [getattr(module, name)(x, linear) for name in names]
+
+
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, cfg: Qwen35Config, dtype):
+    def __init__(self, cfg: Qwen35Config, dtype, fused: bool = False):
+        """fused: the qkv, z, b and a projections as one `in_proj` weight (`fuse_weights`)."""
         self.cfg = cfg
         nv = cfg.linear_num_value_heads
-        self.in_proj_qkv = Linear(cfg.hidden_size, cfg.conv_dim, dtype)
-        self.in_proj_z = Linear(cfg.hidden_size, cfg.gdn_value_dim, dtype)
-        self.in_proj_b = Linear(cfg.hidden_size, nv, dtype)
-        self.in_proj_a = Linear(cfg.hidden_size, nv, dtype)
+        if fused:
+            self.in_proj = Linear(cfg.hidden_size, sum(self._widths()), dtype)
+        else:
+            for name, width in zip(FUSED_QKV["in_proj"], self._widths(), strict=True):
+                setattr(self, name, Linear(cfg.hidden_size, width, dtype))
         self.conv1d = Weight((cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), dtype)
         self.dt_bias = _param((nv,), dtype)
         self.A_log = _param((nv,), dtype)
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = Linear(cfg.gdn_value_dim, cfg.hidden_size, dtype)
+
+    def _widths(self) -> tuple[int, ...]:
+        cfg = self.cfg
+        return cfg.conv_dim, cfg.gdn_value_dim, cfg.linear_num_value_heads, cfg.linear_num_value_heads
 
     def _split_qkv(self, mixed):
         cfg = self.cfg
@@ -187,10 +215,9 @@ class GatedDeltaNet(nnx.Module):
         pools.ssm set ("in_pool") state.ssm holds the prefill rows only and the decode rows' recurrent states
         are updated in pools.ssm, GDN layer `layer` of it. Returns (output, new state, pools)."""
         linear = ctx.mixers.linear
-        mixed = self.in_proj_qkv(x, linear)
-        z = self.in_proj_z(x, linear)
-        beta = jax.nn.sigmoid(self.in_proj_b(x, linear))
-        a = self.in_proj_a(x, linear).astype(jnp.float32)
+        mixed, z, b, a = _projections(self, "in_proj", FUSED_QKV["in_proj"], self._widths(), x, linear)
+        beta = jax.nn.sigmoid(b)
+        a = a.astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         ssm_sides = ctx.split_rows(state.ssm) if pools.ssm is None else (None, state.ssm)
         sides = (ctx.split(mixed), ctx.split(g), ctx.split(beta), ssm_sides, ctx.split_rows(state.conv))
@@ -234,25 +261,33 @@ def rope_tables(positions, cfg: Qwen35Config, dtype):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: Qwen35Config, dtype):
+    def __init__(self, cfg: Qwen35Config, dtype, fused: bool = False):
+        """fused: the q (with its gate), k and v projections as one `qkv_proj` weight (`fuse_weights`)."""
         self.cfg = cfg
-        heads, kv, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, heads * dim * 2, dtype)
-        self.k_proj = Linear(cfg.hidden_size, kv * dim, dtype)
-        self.v_proj = Linear(cfg.hidden_size, kv * dim, dtype)
+        heads, dim = cfg.num_attention_heads, cfg.head_dim
+        if fused:
+            self.qkv_proj = Linear(cfg.hidden_size, sum(self._widths()), dtype)
+        else:
+            for name, width in zip(FUSED_QKV["qkv_proj"], self._widths(), strict=True):
+                setattr(self, name, Linear(cfg.hidden_size, width, dtype))
         self.o_proj = Linear(heads * dim, cfg.hidden_size, dtype)
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
 
+    def _widths(self) -> tuple[int, ...]:
+        cfg = self.cfg
+        kv_width = cfg.num_key_value_heads * cfg.head_dim
+        return cfg.num_attention_heads * cfg.head_dim * 2, kv_width, kv_width
+
     def _project(self, x, ctx):
         cfg = self.cfg
         n, dim = x.shape[0], cfg.head_dim
+        q_gate, k, v = _projections(self, "qkv_proj", FUSED_QKV["qkv_proj"], self._widths(), x, ctx.mixers.linear)
         # q_proj rows are interleaved per head: [query_h | gate_h] for each head h.
-        linear = ctx.mixers.linear
-        q_gate = self.q_proj(x, linear).reshape(n, cfg.num_attention_heads, 2 * dim)
+        q_gate = q_gate.reshape(n, cfg.num_attention_heads, 2 * dim)
         query, gate = q_gate[..., :dim], q_gate[..., dim:].reshape(n, -1)
-        k = self.k_proj(x, linear).reshape(n, cfg.num_key_value_heads, dim)
-        v = self.v_proj(x, linear).reshape(n, cfg.num_key_value_heads, dim)
+        k = k.reshape(n, cfg.num_key_value_heads, dim)
+        v = v.reshape(n, cfg.num_key_value_heads, dim)
         q = apply_rope(self.q_norm(query), ctx.cos, ctx.sin)
         k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
         return q, k, v, gate
@@ -277,13 +312,13 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen35Config, kind: str, dtype, fused_mlp: bool = False):
+    def __init__(self, cfg: Qwen35Config, kind: str, dtype, fused_mlp: bool = False, fused_qkv: bool = False):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg, dtype)
+            self.linear_attn = GatedDeltaNet(cfg, dtype, fused_qkv)
         else:
-            self.self_attn = Attention(cfg, dtype)
+            self.self_attn = Attention(cfg, dtype, fused_qkv)
         self.mlp = MLP(cfg, dtype, fused_mlp)
 
     def __call__(self, h, cache, layer, state, ctx, linear_layer=None):
@@ -300,10 +335,10 @@ class DecoderLayer(nnx.Module):
 class LayerGroup(nnx.Module):
     """One repeat of the layer pattern: linear_per_group GDN layers, then one full-attention layer."""
 
-    def __init__(self, cfg: Qwen35Config, dtype, fused_mlp: bool = False):
+    def __init__(self, cfg: Qwen35Config, dtype, fused_mlp: bool = False, fused_qkv: bool = False):
         self.cfg = cfg
         kinds = cfg.layer_types[: cfg.group_size]
-        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype, fused_mlp) for kind in kinds])
+        self.layers = nnx.List([DecoderLayer(cfg, kind, dtype, fused_mlp, fused_qkv) for kind in kinds])
 
     def __call__(self, h, cache, group, states: GdnState, ctx):
         """states: [linear_per_group, R, ...] for this group's GDN layers; returns them updated."""
@@ -363,11 +398,13 @@ class ModelDef:
     # each instead of three); prefill rows and the conv states are still gathered. "in_pool" is the engine's
     # default (EngineConfig.gdn_state; batch-256 decode 33 against 55 ms on the H200, docs/performance.md).
     gdn_state: str = "gather"
-    # The MLP's gate and up projections as one weight (`fuse_mlp`; the group graph definition has it too).
+    # The MLP's gate and up projections as one weight (`fuse_weights`; the group graph definition has it too).
     fused_mlp: bool = False
+    # The GDN layers' qkv, z, b, a projections as one weight, and the attention layers' q, k, v (`fuse_weights`).
+    fused_qkv: bool = False
 
     def _key(self):
-        return self.cfg, str(self.dtype), self.layer_loop, self.gdn_state, self.fused_mlp
+        return self.cfg, str(self.dtype), self.layer_loop, self.gdn_state, self.fused_mlp, self.fused_qkv
 
     def __hash__(self):
         return hash(self._key())
@@ -376,40 +413,51 @@ class ModelDef:
         return isinstance(other, ModelDef) and self._key() == other._key()
 
 
-def abstract_model(cfg: Qwen35Config, dtype, fused_mlp: bool = False) -> tuple[ModelDef, dict[str, nnx.State]]:
+def abstract_model(cfg: Qwen35Config, dtype, fused_mlp: bool = False, fused_qkv: bool = False
+                   ) -> tuple[ModelDef, dict[str, nnx.State]]:  # fmt: skip
     """Graph definitions and abstract parameter state; group params are stacked on a leading [groups] axis.
-    The checkpoint layout (weights.py) is the unfused one; `fuse_mlp` converts loaded params to fused_mlp."""
+    The checkpoint layout (weights.py) is the unfused one; `fuse_weights` converts loaded params."""
     top_def, top_state = nnx.split(nnx.eval_shape(lambda: Embedding(cfg, dtype)))
-    group_def, group_state = nnx.split(nnx.eval_shape(lambda: LayerGroup(cfg, dtype, fused_mlp)))
+    group_def, group_state = nnx.split(nnx.eval_shape(lambda: LayerGroup(cfg, dtype, fused_mlp, fused_qkv)))
     stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((cfg.num_groups, *s.shape), s.dtype), group_state)
-    model_def = ModelDef(cfg, jnp.dtype(dtype), top_def, group_def, fused_mlp=fused_mlp)
+    model_def = ModelDef(cfg, jnp.dtype(dtype), top_def, group_def, fused_mlp=fused_mlp, fused_qkv=fused_qkv)
     return model_def, {"top": top_state, "groups": stacked}
 
 
-def fuse_mlp(model_def: ModelDef, params, delete_unfused: bool = False) -> tuple[ModelDef, dict]:
-    """(model_def, params) with each MLP's gate and up weights concatenated into one gate_up_proj weight
-    [groups, 2 x intermediate, hidden] (gate rows first), for the stacked group params (before
-    `unstack_groups`). With delete_unfused each pair is freed once concatenated, so the peak is the weights plus
-    one layer position's gate and up. The layer loop and GDN state mode carry over."""
+def fuse_weights(model_def: ModelDef, params, mlp: bool = False, qkv: bool = False, delete_unfused: bool = False
+                 ) -> tuple[ModelDef, dict]:  # fmt: skip
+    """(model_def, params) with the MLP's gate and up weights (mlp) and/or the layers' input projections (qkv)
+    concatenated into one weight each (`FUSED_MLP`, `FUSED_QKV`: [groups, sum of outs, hidden], rows in the
+    listed order), for the stacked group params (before `unstack_groups`). Parts fused already stay fused. With
+    delete_unfused each source is freed once concatenated, so the peak is the weights plus one fused weight.
+    The layer loop and GDN state mode carry over."""
     if isinstance(params["groups"], tuple):
-        raise ValueError("fuse_mlp needs the stacked group params: fuse before unstack_groups")
-    fused_def, abstract = abstract_model(model_def.cfg, model_def.dtype, fused_mlp=True)
+        raise ValueError("fuse_weights needs the stacked group params: fuse before unstack_groups")
+    mlp, qkv = mlp or model_def.fused_mlp, qkv or model_def.fused_qkv
+    fused_def, abstract = abstract_model(model_def.cfg, model_def.dtype, fused_mlp=mlp, fused_qkv=qkv)
     fused_def = dataclasses.replace(fused_def, layer_loop=model_def.layer_loop, gdn_state=model_def.gdn_state)
     by_path = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params["groups"])}
+    sources_of = {**FUSED_MLP, **FUSED_QKV}
 
     def fill(path, _):
         key = jax.tree_util.keystr(path)
-        if "'gate_up_proj'" not in key:
+        if key in by_path:  # unfused, or fused already
             return by_path[key]
-        gate, up = (by_path[key.replace("'gate_up_proj'", name)] for name in ("'gate_proj'", "'up_proj'"))
-        fused = jnp.concatenate([gate, up], axis=1)
+        fused_name = next(name for name in sources_of if f"'{name}'" in key)
+        sources = [by_path[key.replace(f"'{fused_name}'", f"'{name}'")] for name in sources_of[fused_name]]
+        fused = jnp.concatenate(sources, axis=1)
         if delete_unfused:
             jax.block_until_ready(fused)
-            gate.delete()
-            up.delete()
+            for source in sources:
+                source.delete()
         return fused
 
     return fused_def, {**params, "groups": jax.tree_util.tree_map_with_path(fill, abstract["groups"])}
+
+
+def fuse_mlp(model_def: ModelDef, params, delete_unfused: bool = False) -> tuple[ModelDef, dict]:
+    """`fuse_weights` of the MLP's gate and up weights only."""
+    return fuse_weights(model_def, params, mlp=True, delete_unfused=delete_unfused)
 
 
 def _kv_destinations(inputs: StepInputs, page_size: int) -> tuple[jax.Array, jax.Array]:

@@ -12,7 +12,7 @@ import jax
 
 from qwen35_jax.cache import CacheSpec, bytes_per_page, bytes_per_slot
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.model import fuse_mlp, unstack_groups
+from qwen35_jax.model import fuse_weights, unstack_groups
 from qwen35_jax.serving.engine import Engine
 from qwen35_jax.serving.runner import Buckets, Runner
 from qwen35_jax.serving.scheduler import Scheduler, SchedulerConfig
@@ -56,10 +56,12 @@ class EngineConfig:
     # or gathered into a step buffer and scattered back. in_pool measured faster on the H200 (batch 256:
     # 33 ms against 55 ms a step, docs/performance.md); gather stays for A/B.
     gdn_state: str = "in_pool"
-    # The MLP's gate and up weights as one [2 x intermediate, hidden] weight, one product instead of two: XLA did
-    # not merge the two batch-1 GEMVs on the H200 (49% of HBM bandwidth each, docs/performance.md). Off until
-    # tools/bench_mlp.py and the engine A/B say it is faster.
+    # The MLP's gate and up weights as one [2 x intermediate, hidden] weight, one product instead of two: the MLP
+    # block 15% faster at batch 1 and 34% at 256 on the H200 (tools/bench_mlp.py, docs/performance.md).
     fused_mlp: bool = True
+    # The GDN layers' qkv, z, b, a weights as one, and the attention layers' q, k, v: 88 fewer products and
+    # weight arrays a 4B step. Written after the session-5 device time ran out: off until the engine A/B says so.
+    fused_qkv: bool = False
     # XLA compile options for every program, ((name, value), ...), e.g. (("xla_gpu_enable_triton_gemm", False),)
     # for A/B runs (offline_bench --xla-option); part of the persistent cache key. XLA rejects unknown names.
     xla_options: tuple = ()
@@ -135,19 +137,21 @@ def use_layer_loop(model, layer_loop: str) -> None:
     model.model_def = dataclasses.replace(model.model_def, layer_loop=layer_loop)
 
 
-def use_fused_mlp(model, fused: bool) -> None:
-    """Switch a loaded model's MLPs to one gate/up weight (its params are replaced, the unfused pair freed)."""
-    if model.model_def.fused_mlp == fused:
-        return
-    if not fused:
-        raise ValueError("this model's MLP weights were fused; load it again for --fused-mlp off")
-    model.model_def, model.params = fuse_mlp(model.model_def, model.params, delete_unfused=True)
+def use_fused_weights(model, mlp: bool, qkv: bool) -> None:
+    """Switch a loaded model to fused weights as asked (its params are replaced, the unfused sources freed):
+    mlp, the MLP's gate and up as one weight; qkv, the GDN and attention input projections as one each."""
+    model_def = model.model_def
+    for asked, fused, flag in ((mlp, model_def.fused_mlp, "--fused-mlp"), (qkv, model_def.fused_qkv, "--fused-qkv")):
+        if fused and not asked:
+            raise ValueError(f"this model's weights were fused; load it again for {flag} off")
+    if (mlp, qkv) != (model_def.fused_mlp, model_def.fused_qkv):
+        model.model_def, model.params = fuse_weights(model_def, model.params, mlp=mlp, qkv=qkv, delete_unfused=True)
 
 
 def build_engine(model, config: EngineConfig, compile_now: bool = True, progress=None) -> Engine:
     """model: a qwen35_jax.api.LoadedModel (its params are fused and unstacked in place as the config asks)."""
     enable_compile_cache(config.compile_cache)
-    use_fused_mlp(model, config.fused_mlp)  # before unstacking: fuse_mlp works on the stacked group weights
+    use_fused_weights(model, config.fused_mlp, config.fused_qkv)  # before unstacking: fusing needs stacked weights
     use_layer_loop(model, resolve_layer_loop(config.layer_loop))
     model.model_def = dataclasses.replace(model.model_def, gdn_state=config.gdn_state)
     spec = cache_spec(model.config, model.dtype, config)

@@ -165,6 +165,7 @@ def build(args, model, batches: list[int], chunks: list[int], max_model_len: int
         max_batch=batches[-1], max_prefill_tokens=chunks[-1], max_model_len=max_model_len,
         gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache, layer_loop=args.layer_loop,
         gdn_state=args.gdn_state, xla_options=parse_xla_options(args.xla_option), fused_mlp=args.fused_mlp == "on",
+        fused_qkv=args.fused_qkv == "on",
     )  # fmt: skip
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=tuple(batches), prefill_rows=(1,), chunk=tuple(chunks))
@@ -251,6 +252,8 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--fused-mlp", default="on", choices=("on", "off"),
                         help="A/B: the MLP's gate and up weights as one product (EngineConfig.fused_mlp)")  # fmt: skip
+    parser.add_argument("--fused-qkv", default="off", choices=("on", "off"),
+                        help="A/B: each layer's input projections as one product (EngineConfig.fused_qkv)")  # fmt: skip
     parser.add_argument("--xla-option", action="append", default=None, metavar="NAME=VALUE",
                         help="an XLA compile option for every program (A/B), e.g. xla_gpu_enable_triton_gemm=false; "
                              "repeatable")  # fmt: skip
@@ -274,7 +277,7 @@ def main(argv=None) -> None:
     # Decode: the page table spans only context + generated tokens, as a server sized for it would.
     engine, compile_decode = build(args, model, batches, [args.context], args.context + batches[-1] + args.steps + 32)
     result = {"model": args.model, "kernels": args.kernels, "layer_loop": args.layer_loop,
-              "gdn_state": args.gdn_state, "fused_mlp": args.fused_mlp, "xla_options": args.xla_option or [],
+              "gdn_state": args.gdn_state, "fused_mlp": args.fused_mlp, "fused_qkv": args.fused_qkv, "xla_options": args.xla_option or [],
               "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)

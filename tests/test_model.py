@@ -67,6 +67,39 @@ def test_fused_mlp_equals_separate_gate_and_up(layer_loop):
     np.testing.assert_allclose(fused, separate, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("layer_loop", ["scan", "unstacked"])
+def test_fused_qkv_equals_separate_input_projections(layer_loop):
+    """fuse_weights(qkv=True): each GDN layer's qkv, z, b, a weights as one `in_proj`, each attention layer's
+    q, k, v as one `qkv_proj`, added to a model whose MLP is fused already (which stays fused); the rows keep the
+    listed order. Each output is the same dot product as before, but XLA's CPU GEMM blocks K differently for a
+    wider N: the products differ by a few fp32 ulps (measured 1.1e-5 on values ~30), which the GDN recurrence
+    carries through 8 layers and 90 tokens to <= 2.7e-5 on logits of std ~0.1-1 (measured). Tolerance 1e-4, as
+    for the Pallas set in the model (tests/test_kernels_in_model.py); a mis-ordered or mis-split weight moves
+    logits by O(0.1)."""
+    from qwen35_jax.api import load_model
+    from qwen35_jax.model import FUSED_QKV, fuse_weights
+
+    model = load_model("tiny", dtype="float32")
+    separate = model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    mlp_def, mlp_params = fuse_mlp(model.model_def, model.params)
+    fused_def, fused_params = fuse_weights(mlp_def, mlp_params, qkv=True)
+    assert fused_def.fused_mlp and fused_def.fused_qkv
+    layers = fused_params["groups"]["layers"]
+    gdn, attention = layers[0]["linear_attn"], layers[len(layers) - 1]["self_attn"]
+    assert "in_proj" in gdn and not set(FUSED_QKV["in_proj"]) & set(gdn)
+    assert "qkv_proj" in attention and not set(FUSED_QKV["qkv_proj"]) & set(attention)
+    assert "gate_up_proj" in layers[0]["mlp"]
+    original = model.params["groups"]["layers"]
+    z = original[0]["linear_attn"]["in_proj_z"]["weight"][...]
+    rows = model.config.conv_dim
+    np.testing.assert_array_equal(gdn["in_proj"]["weight"][...][:, rows : rows + z.shape[1]], z)
+    if layer_loop == "unstacked":
+        fused_def, fused_params = dataclasses.replace(fused_def, layer_loop=layer_loop), unstack_groups(fused_params)
+    model.model_def, model.params = fused_def, fused_params
+    fused = model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    np.testing.assert_allclose(fused, separate, atol=1e-4, rtol=0)
+
+
 def test_fuse_mlp_refuses_unstacked_params(tiny_model):
     with pytest.raises(ValueError, match="stacked"):
         fuse_mlp(tiny_model.model_def, unstack_groups(tiny_model.params))

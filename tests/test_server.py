@@ -307,6 +307,7 @@ def no_weight_loads(monkeypatch):
         (["--layer-loop", "while"], "--layer-loop"),
         (["--gdn-state", "pooled"], "--gdn-state"),
         (["--fused-mlp", "yes"], "--fused-mlp"),
+        (["--fused-qkv", "yes"], "--fused-qkv"),
         (["--num-pages", "1"], "--num-pages"),
         (["--max-model-len", "100000"], "--max-model-len"),
         (["--port", "70000"], "--port"),

@@ -8,18 +8,22 @@ Why: the batch-1 decode profile (docs/performance.md, session 4) has the weight 
 with the Triton emitter off, XLA converted every weight to fp32 before cuBLAS because the model asks for an
 fp32 result. A bf16 result (fp32 accumulation inside the product either way) lets cuBLAS read bf16 weights.
 
-Each timed program runs `n` products on n distinct weight copies and n distinct inputs (nothing shared, so XLA
-can neither merge the products nor serve a weight from the 50 MB L2); the time per product is the slope
-between n = --copies and n = --copies / 2, which removes the fixed dispatch cost. The error column is the
-largest |difference| from an fp32 product of the same bf16 operands, relative to that product's largest |value|.
+Each timed program runs --copies products on distinct weight copies and distinct inputs (nothing shared, so XLA
+can neither merge the products nor serve a weight from the 50 MB L2). The time per product is device time: the
+sum of every kernel the program ran (the product and any split-K reduction after it) in a jax.profiler trace of
+--repeats runs, divided by repeats x copies. Session 5 timed wall-clock slopes between programs of 16 and 8
+products instead, and repeated cases moved by up to 2x between runs (impossible figures above 100% among them):
+the launch jitter was of the size of the work. The error column is the largest |difference| from an fp32 product
+of the same bf16 operands, relative to that product's largest |value|.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from jax_timing import best_seconds, parse_gpu_benchmark_args, roofline_row
+from jax_timing import parse_gpu_benchmark_args, roofline_row
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
 
@@ -63,18 +67,26 @@ def pallas_tilings(args):
         yield label, tiling, functools.partial(linear_pallas, **{k: v or None for k, v in tiling.items()})
 
 
-def seconds_per_product(fn, xs, ws, repeats: int, triton_gemm: bool) -> tuple[float, object]:
+def seconds_per_product(fn, xs, ws, repeats: int, triton_gemm: bool, trace_dir: str) -> tuple[float, object]:
+    """(device seconds per product, the first product's output) of `fn` over the xs/ws pairs (module docstring)."""
+    import tempfile
+
     import jax
+    from device_trace import trace_events
 
-    def timed(n):
-        program = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws, strict=True)])
-        compiled = program.lower(xs[:n], ws[:n]).compile(compiler_options={"xla_gpu_enable_triton_gemm": triton_gemm})
-        out = jax.block_until_ready(compiled(xs[:n], ws[:n]))
-        return best_seconds(lambda: jax.block_until_ready(compiled(xs[:n], ws[:n])), repeats), out[0]
-
-    full, first = timed(len(ws))
-    half, _ = timed(len(ws) // 2)
-    return (full - half) / (len(ws) - len(ws) // 2), first
+    program = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws, strict=True)])
+    compiled = program.lower(xs, ws).compile(compiler_options={"xla_gpu_enable_triton_gemm": triton_gemm})
+    out = jax.block_until_ready(compiled(xs, ws))
+    run_dir = tempfile.mkdtemp(dir=trace_dir)  # one trace per variant: trace_events reads the newest under a dir
+    jax.profiler.start_trace(run_dir)
+    for _ in range(repeats):
+        last = compiled(xs, ws)
+    jax.block_until_ready(last)
+    jax.profiler.stop_trace()
+    kernels, _ = trace_events(run_dir)
+    if not kernels:
+        raise RuntimeError(f"no device kernels in the trace under {run_dir}")
+    return sum(e["dur"] for e in kernels) * 1e-6 / (repeats * len(ws)), out[0]
 
 
 def relative_error(out, x, w) -> float:
@@ -91,7 +103,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=[name for name, _, _ in SHAPES_4B],
                         choices=[name for name, _, _ in SHAPES_4B])  # fmt: skip
-    parser.add_argument("--copies", type=int, default=32, help="distinct weights per program (even)")
+    parser.add_argument("--copies", type=int, default=16, help="distinct weights (and inputs) per program")
+    parser.add_argument("--trace-dir", default="/tmp/bench_linear_trace", help="profiler traces go under it")
     parser.add_argument(
         "--xla",
         nargs="*",
@@ -111,6 +124,7 @@ def main(argv=None) -> int:
     args = parse_gpu_benchmark_args(parser, argv, iters=0)
     if args is None:
         return 2
+    os.makedirs(args.trace_dir, exist_ok=True)
     key = jax.random.key(0)
     rows = []
     for name, out_dim, in_dim in SHAPES_4B:
@@ -132,7 +146,7 @@ def main(argv=None) -> int:
                          for label, tiling, fn in pallas_tilings(args)]  # fmt: skip
             for variant, fields, fn, triton_gemm in variants:
                 try:
-                    seconds, out = seconds_per_product(fn, xs, ws, args.repeats, triton_gemm)
+                    seconds, out = seconds_per_product(fn, xs, ws, args.repeats, triton_gemm, args.trace_dir)
                 except Exception as error:  # noqa: BLE001 - a tiling the shape refuses is reported and skipped
                     print(f"{name} batch {batch} {variant}: {type(error).__name__}: {str(error)[:200]}")
                     continue

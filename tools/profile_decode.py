@@ -124,6 +124,7 @@ def main() -> None:
                              "tokens. At 0.5 the batch-64/256 runs on the H200 stopped while compiling, XLA's "
                              "rematerialisation pass reporting the program over its memory limit (session 4)")  # fmt: skip
     parser.add_argument("--fused-mlp", default="on", choices=("on", "off"), help="as offline_bench --fused-mlp")
+    parser.add_argument("--fused-qkv", default="off", choices=("on", "off"), help="as offline_bench --fused-qkv")
     parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
@@ -142,6 +143,7 @@ def main() -> None:
         gdn_state=args.gdn_state,
         xla_options=parse_xla_options(args.xla_option),
         fused_mlp=args.fused_mlp == "on",
+        fused_qkv=args.fused_qkv == "on",
     )
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=(args.batch,), prefill_rows=(1,), chunk=(args.context,))
@@ -175,7 +177,7 @@ def main() -> None:
     hlo = engine.runner.executables[(args.batch, 0, 0)].as_text()
     kernels, host = trace_events(args.trace_dir)
     report = {"batch": args.batch, "kernels": model.kernels.name, "layer_loop": args.layer_loop,
-              "gdn_state": args.gdn_state, "fused_mlp": args.fused_mlp, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "gdn_state": args.gdn_state, "fused_mlp": args.fused_mlp, "fused_qkv": args.fused_qkv, "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "xla_options": args.xla_option or [],
               "wall_ms_per_step": wall * 1e3, **summarise(kernels, host, args.steps, args.top),
               "decode_program_hlo": hlo_summary(hlo),
