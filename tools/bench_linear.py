@@ -105,20 +105,10 @@ def main(argv=None) -> int:
                         choices=[name for name, _, _ in SHAPES_4B])  # fmt: skip
     parser.add_argument("--copies", type=int, default=16, help="distinct weights (and inputs) per program")
     parser.add_argument("--trace-dir", default="/tmp/bench_linear_trace", help="profiler traces go under it")
-    parser.add_argument(
-        "--xla",
-        nargs="*",
-        default=["f32_out", "bf16_out"],
-        choices=["f32_out", "bf16_out"],
-        help="XLA formulations to time (none: the Pallas kernel only)",
-    )
-    parser.add_argument(
-        "--triton-gemm",
-        nargs="+",
-        default=["on", "off"],
-        choices=["on", "off"],
-        help="XLA's GEMM emitter for the XLA formulations: Triton (on) or cuBLAS (off)",
-    )
+    parser.add_argument("--xla", nargs="*", default=["f32_out", "bf16_out"], choices=["f32_out", "bf16_out"],
+                        help="XLA formulations to time (none: the Pallas kernel only)")  # fmt: skip
+    parser.add_argument("--triton-gemm", nargs="+", default=["on", "off"], choices=["on", "off"],
+                        help="XLA's GEMM emitter for the XLA formulations: Triton (on) or cuBLAS (off)")  # fmt: skip
     for flag in ("block-n", "block-k", "splits", "warps", "stages"):
         parser.add_argument(f"--{flag}", type=int, nargs="+", default=[0], help="Pallas tiling sweep (0: default)")
     args = parse_gpu_benchmark_args(parser, argv, iters=0)
