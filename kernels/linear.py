@@ -89,7 +89,11 @@ def linear_pallas(x, w, *, block_n=None, block_k=None, splits=None, num_warps=No
     """Pallas form of `linear_ref` (same layouts and rounding; fp32 sums in a different order). Rows beyond
     MAX_ROWS, and shapes the tiles do not divide, take `linear_ref`. block_n / block_k / splits / num_warps /
     num_stages: tiling, for sweeps (None: the defaults above, cut to the largest power of two dividing N and K;
-    splits from `default_splits`)."""
+    splits from `default_splits`). An explicit block_n / block_k that does not divide N / K is an error, not a
+    silent fallback: a sweep must not time XLA's product under the kernel's name."""
+    for given, size, name in ((block_n, w.shape[0], "block_n"), (block_k, w.shape[1], "block_k")):
+        if given and size % given:
+            raise ValueError(f"{name}={given} does not divide {size}")
     block_n = block_n or _tile(w.shape[0], BLOCK_N)
     block_k = block_k or _tile(w.shape[1], BLOCK_K)
     if not fits_kernel(x.shape, w.shape, block_n, block_k):

@@ -67,10 +67,15 @@ def test_what_the_kernel_does_not_take_is_the_reference_exactly(m, n, k):
     np.testing.assert_array_equal(np.float32(linear_pallas(x, w, interpret=True)), np.float32(linear_ref(x, w)))
 
 
-def test_splits_must_divide_the_k_steps():
+def test_explicit_tiles_must_divide():
+    """A sweep's explicit tiling that does not fit is refused, never silently replaced by XLA's product."""
     x, w = operands(1, 64, 512, jnp.float32)
     with pytest.raises(ValueError, match="splits=3"):
         linear_pallas(x, w, block_k=128, splits=3, interpret=True)
+    with pytest.raises(ValueError, match="block_n=48"):
+        linear_pallas(x, w, block_n=48, interpret=True)
+    with pytest.raises(ValueError, match="block_k=384"):
+        linear_pallas(x, w, block_k=384, interpret=True)
 
 
 def test_default_splits_reach_enough_programs_on_narrow_weights():
