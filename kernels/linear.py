@@ -22,6 +22,7 @@ tile M. Shapes with N or K not a multiple of 16 go to `linear_ref` too.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -77,11 +78,13 @@ def _tile(size: int, cap: int) -> int:
 
 def fits_kernel(x_shape, w_shape, block_n: int, block_k: int) -> bool:
     """At most MAX_ROWS rows, and tiles of >= 16 (the smallest tensor-core tile) that divide N and K."""
-    rows = 1
-    for d in x_shape[:-1]:
-        rows *= d
     (n, k), smallest = w_shape, 16
-    return rows <= MAX_ROWS and min(block_n, block_k) >= smallest and n % block_n == 0 and k % block_k == 0
+    return (
+        math.prod(x_shape[:-1]) <= MAX_ROWS
+        and min(block_n, block_k) >= smallest
+        and n % block_n == 0
+        and k % block_k == 0
+    )
 
 
 def linear_pallas(x, w, *, block_n=None, block_k=None, splits=None, num_warps=None, num_stages=None,

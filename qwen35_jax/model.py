@@ -31,6 +31,7 @@ FUSED_QKV = {
     "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
 }
+FUSED = {**FUSED_MLP, **FUSED_QKV}
 
 
 def _param(shape, dtype) -> nnx.Param:
@@ -86,23 +87,35 @@ class GatedRMSNorm(nnx.Module):
         return (scaled.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
+def _add_projections(module, fused_name: str, widths, in_features: int, dtype, fused: bool) -> None:
+    """The input projections `FUSED[fused_name]` of `module` (output widths `widths`, in that order): one Linear
+    each, the checkpoint's layout, or with `fused` one `fused_name` Linear of them all (`fuse_weights`)."""
+    if fused:
+        setattr(module, fused_name, Linear(in_features, sum(widths), dtype))
+    else:
+        for name, width in zip(FUSED[fused_name], widths, strict=True):
+            setattr(module, name, Linear(in_features, width, dtype))
+
+
+def _projections(module, fused_name: str, widths, x, linear) -> list[jax.Array]:
+    """The outputs of `_add_projections`' projections over x: one product with the concatenated weight when the
+    module holds `fused_name`, one product each otherwise, in the order of `FUSED[fused_name]`."""
+    if hasattr(module, fused_name):
+        return jnp.split(getattr(module, fused_name)(x, linear), list(itertools.accumulate(widths))[:-1], axis=-1)
+    return [getattr(module, name)(x, linear) for name in FUSED[fused_name]]
+
+
 class MLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)). fused: gate and up as one [2 x intermediate, hidden] weight (`fuse_mlp`), one
+    """down(silu(gate(x)) * up(x)). fused: gate and up as one [2 x intermediate, hidden] weight (`fuse_weights`), one
     product instead of two; the HF checkpoint's two tensors are what is loaded either way."""
 
     def __init__(self, cfg: Qwen35Config, dtype, fused: bool = False):
-        if fused:
-            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
-        else:
-            self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
-            self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.widths = (cfg.intermediate_size, cfg.intermediate_size)
+        _add_projections(self, "gate_up_proj", self.widths, cfg.hidden_size, dtype, fused)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def __call__(self, x, linear=matmul):
-        if hasattr(self, "gate_up_proj"):
-            gate, up = jnp.split(self.gate_up_proj(x, linear), 2, axis=-1)
-        else:
-            gate, up = self.gate_proj(x, linear), self.up_proj(x, linear)
+        gate, up = _projections(self, "gate_up_proj", self.widths, x, linear)
         return self.down_proj(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, linear)
 
 
@@ -151,29 +164,12 @@ class GdnState:
     conv: jax.Array  # [..., R, K-1, conv_dim] model dtype
 
 
-def _split_columns(y: jax.Array, widths) -> list[jax.Array]:
-    """A fused projection's output [..., sum(widths)] -> its parts, in the order the weights were concatenated."""
-    return jnp.split(y, list(itertools.accumulate(widths))[:-1], axis=-1)
-
-
-def _projections(module, fused_name: str, names, widths, x, linear) -> list[jax.Array]:
-    """The outputs of the input projections `names` over x: one product with the concatenated weight when the
-    module holds `fused_name` (`fuse_weights`), one product each otherwise."""
-    if hasattr(module, fused_name):
-        return _split_columns(getattr(module, fused_name)(x, linear), widths)
-    return [getattr(module, name)(x, linear) for name in names]
-
-
 class GatedDeltaNet(nnx.Module):
     def __init__(self, cfg: Qwen35Config, dtype, fused: bool = False):
         """fused: the qkv, z, b and a projections as one `in_proj` weight (`fuse_weights`)."""
         self.cfg = cfg
         nv = cfg.linear_num_value_heads
-        if fused:
-            self.in_proj = Linear(cfg.hidden_size, sum(self._widths()), dtype)
-        else:
-            for name, width in zip(FUSED_QKV["in_proj"], self._widths(), strict=True):
-                setattr(self, name, Linear(cfg.hidden_size, width, dtype))
+        _add_projections(self, "in_proj", self._widths(), cfg.hidden_size, dtype, fused)
         self.conv1d = Weight((cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), dtype)
         self.dt_bias = _param((nv,), dtype)
         self.A_log = _param((nv,), dtype)
@@ -215,7 +211,7 @@ class GatedDeltaNet(nnx.Module):
         pools.ssm set ("in_pool") state.ssm holds the prefill rows only and the decode rows' recurrent states
         are updated in pools.ssm, GDN layer `layer` of it. Returns (output, new state, pools)."""
         linear = ctx.mixers.linear
-        mixed, z, b, a = _projections(self, "in_proj", FUSED_QKV["in_proj"], self._widths(), x, linear)
+        mixed, z, b, a = _projections(self, "in_proj", self._widths(), x, linear)
         beta = jax.nn.sigmoid(b)
         a = a.astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
@@ -265,11 +261,7 @@ class Attention(nnx.Module):
         """fused: the q (with its gate), k and v projections as one `qkv_proj` weight (`fuse_weights`)."""
         self.cfg = cfg
         heads, dim = cfg.num_attention_heads, cfg.head_dim
-        if fused:
-            self.qkv_proj = Linear(cfg.hidden_size, sum(self._widths()), dtype)
-        else:
-            for name, width in zip(FUSED_QKV["qkv_proj"], self._widths(), strict=True):
-                setattr(self, name, Linear(cfg.hidden_size, width, dtype))
+        _add_projections(self, "qkv_proj", self._widths(), cfg.hidden_size, dtype, fused)
         self.o_proj = Linear(heads * dim, cfg.hidden_size, dtype)
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
@@ -282,7 +274,7 @@ class Attention(nnx.Module):
     def _project(self, x, ctx):
         cfg = self.cfg
         n, dim = x.shape[0], cfg.head_dim
-        q_gate, k, v = _projections(self, "qkv_proj", FUSED_QKV["qkv_proj"], self._widths(), x, ctx.mixers.linear)
+        q_gate, k, v = _projections(self, "qkv_proj", self._widths(), x, ctx.mixers.linear)
         # q_proj rows are interleaved per head: [query_h | gate_h] for each head h.
         q_gate = q_gate.reshape(n, cfg.num_attention_heads, 2 * dim)
         query, gate = q_gate[..., :dim], q_gate[..., dim:].reshape(n, -1)
@@ -437,14 +429,13 @@ def fuse_weights(model_def: ModelDef, params, mlp: bool = False, qkv: bool = Fal
     fused_def, abstract = abstract_model(model_def.cfg, model_def.dtype, fused_mlp=mlp, fused_qkv=qkv)
     fused_def = dataclasses.replace(fused_def, layer_loop=model_def.layer_loop, gdn_state=model_def.gdn_state)
     by_path = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params["groups"])}
-    sources_of = {**FUSED_MLP, **FUSED_QKV}
 
     def fill(path, _):
         key = jax.tree_util.keystr(path)
         if key in by_path:  # unfused, or fused already
             return by_path[key]
-        fused_name = next(name for name in sources_of if f"'{name}'" in key)
-        sources = [by_path[key.replace(f"'{fused_name}'", f"'{name}'")] for name in sources_of[fused_name]]
+        fused_name = next(name for name in FUSED if f"'{name}'" in key)
+        sources = [by_path[key.replace(f"'{fused_name}'", f"'{name}'")] for name in FUSED[fused_name]]
         fused = jnp.concatenate(sources, axis=1)
         if delete_unfused:
             jax.block_until_ready(fused)
@@ -453,11 +444,6 @@ def fuse_weights(model_def: ModelDef, params, mlp: bool = False, qkv: bool = Fal
         return fused
 
     return fused_def, {**params, "groups": jax.tree_util.tree_map_with_path(fill, abstract["groups"])}
-
-
-def fuse_mlp(model_def: ModelDef, params, delete_unfused: bool = False) -> tuple[ModelDef, dict]:
-    """`fuse_weights` of the MLP's gate and up weights only."""
-    return fuse_weights(model_def, params, mlp=True, delete_unfused=delete_unfused)
 
 
 def _kv_destinations(inputs: StepInputs, page_size: int) -> tuple[jax.Array, jax.Array]:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from qwen35_jax.model import fuse_mlp, unstack_groups
+from qwen35_jax.model import fuse_weights, unstack_groups
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 512, 90)]
 
@@ -41,7 +41,7 @@ def test_unstacked_layer_loop_equals_scan(tiny_model):
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unstacked"])
 def test_fused_mlp_equals_separate_gate_and_up(layer_loop):
-    """fuse_mlp: one [2 x intermediate, hidden] product, split, instead of two products over the same rows: each
+    """fuse_weights(mlp=True): one [2 x intermediate, hidden] product, split, instead of two products over the same rows: each
     output is the same dot product (1e-6: only XLA's GEMM blocking may differ); the gate rows come first.
     A model of its own: the shared tiny model is fused in place by the engines built from it (the default)."""
     from qwen35_jax.api import load_model
@@ -50,7 +50,7 @@ def test_fused_mlp_equals_separate_gate_and_up(layer_loop):
     separate = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
     original_def, original_params = tiny_model.model_def, tiny_model.params
     try:
-        fused_def, fused_params = fuse_mlp(original_def, original_params)
+        fused_def, fused_params = fuse_weights(original_def, original_params, mlp=True)
         mlp = fused_params["groups"]["layers"][0]["mlp"]
         assert fused_def.fused_mlp and set(mlp) == {"gate_up_proj", "down_proj"}
         gate = original_params["groups"]["layers"][0]["mlp"]["gate_proj"]["weight"][...]
@@ -77,11 +77,11 @@ def test_fused_qkv_equals_separate_input_projections(layer_loop):
     for the Pallas set in the model (tests/test_kernels_in_model.py); a mis-ordered or mis-split weight moves
     logits by O(0.1)."""
     from qwen35_jax.api import load_model
-    from qwen35_jax.model import FUSED_QKV, fuse_weights
+    from qwen35_jax.model import FUSED_QKV
 
     model = load_model("tiny", dtype="float32")
     separate = model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
-    mlp_def, mlp_params = fuse_mlp(model.model_def, model.params)
+    mlp_def, mlp_params = fuse_weights(model.model_def, model.params, mlp=True)
     fused_def, fused_params = fuse_weights(mlp_def, mlp_params, qkv=True)
     assert fused_def.fused_mlp and fused_def.fused_qkv
     layers = fused_params["groups"]["layers"]
@@ -100,9 +100,9 @@ def test_fused_qkv_equals_separate_input_projections(layer_loop):
     np.testing.assert_allclose(fused, separate, atol=1e-4, rtol=0)
 
 
-def test_fuse_mlp_refuses_unstacked_params(tiny_model):
+def test_fuse_weights_refuses_unstacked_params(tiny_model):
     with pytest.raises(ValueError, match="stacked"):
-        fuse_mlp(tiny_model.model_def, unstack_groups(tiny_model.params))
+        fuse_weights(tiny_model.model_def, unstack_groups(tiny_model.params), mlp=True)
 
 
 def test_unstacked_loop_refuses_stacked_params(tiny_model):
