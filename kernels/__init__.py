@@ -22,6 +22,8 @@ from qwen35_jax.kernels.conv1d import (
     causal_conv1d_prefill_pallas,
     causal_conv1d_prefill_ref,
     causal_conv1d_update_pallas,
+    causal_conv1d_update_pool_pallas,
+    causal_conv1d_update_pool_ref,
     causal_conv1d_update_ref,
 )
 from qwen35_jax.kernels.decode_attention import paged_decode_attention_pallas, paged_decode_attention_ref
@@ -48,16 +50,19 @@ class Mixers(NamedTuple):
     prefill_attention: object
     gdn_decode_pool: object  # the GDN decode updating the slot pool in place (ModelDef.gdn_state "in_pool")
     linear: object  # the weight products x @ W^T of the layers (decode-sized batches; larger ones go to XLA)
+    conv_update_pool: object  # the conv update of decode rows in the slot pool, in place (gdn_state "in_pool")
 
 
 REF = Mixers(
     "ref", gdn_chunked_prefill_ref, gdn_decode_ref, causal_conv1d_prefill_ref, causal_conv1d_update_ref,
     paged_decode_attention_ref, paged_prefill_attention_ref, gdn_decode_pool_ref, linear_ref,
+    causal_conv1d_update_pool_ref,
 )  # fmt: skip
 
 _PALLAS = (
     gdn_chunked_prefill_pallas, gdn_decode_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pallas,
     paged_decode_attention_pallas, paged_prefill_attention_pallas, gdn_decode_pool_pallas, linear_pallas,
+    causal_conv1d_update_pool_pallas,
 )  # fmt: skip
 # Each kernel is wrapped in its own jax.jit: a step calls the same kernel at the same shapes in many layers
 # (24 GDN and 8 attention layers at 4B), and JAX lowers a nested jit once per program and calls it from each

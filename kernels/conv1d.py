@@ -27,6 +27,18 @@ or multiples of 512). The new conv state goes to a fresh buffer, not in place ov
 rows shift by one, so an element would be read by one thread and overwritten by another, and Triton
 gives no barrier between them; the buffer is K-1 rows, small next to x.
 The block sizes and warp counts are unmeasured first choices; `tools/bench_conv1d.py --sweep` times others.
+
+In-pool update (`causal_conv1d_update_pool_ref`, `causal_conv1d_update_pool_pallas`): the one-token update reading
+and writing the decode rows' states where they live, as the GDN decode's in-pool variant does, so a decode step
+does not gather the conv states out of the pool and scatter them back (on the H200 that scatter was one 0.29 ms
+fusion a batch-64 step, touching 229 MB for 38 MB of state: docs/performance.md, session 5):
+    pool     [L, S, K-1, C] model dtype: every GDN layer's conv state of every slot
+    layer    int32 scalar (may be traced);  slots [B] int32: row b's state is pool[layer, slots[b]]
+Returns y and the pool with rows (layer, slots[b]) shifted by the new input; other rows are untouched. The pool
+input is aliased to the output. In place is safe here although the rows shift (unlike the fresh-buffer kernel
+above): a program loads and stores its columns as [block_c] vectors of one layout, so a column is loaded and
+stored by the same thread, loads first. Slots must be distinct except for padding rows sharing the trash slot,
+whose contents are then garbage (as in the GDN in-pool kernel; never read for a live sequence).
 """
 
 from __future__ import annotations
@@ -111,6 +123,51 @@ def causal_conv1d_update_pallas(x, weight, conv_state, *, interpret=False):
     return conv1d_update_blocked(
         x, weight, conv_state, block_c=BLOCK_C_UPDATE, num_warps=NUM_WARPS, interpret=interpret
     )
+
+
+def causal_conv1d_update_pool_ref(x, weight, pool, layer, slots):
+    """`causal_conv1d_update_ref` on the rows pool[layer, slots[b]]; returns (y, pool with those rows replaced)."""
+    y, state = causal_conv1d_update_ref(x, weight, pool[layer, slots])
+    return y, pool.at[layer, slots].set(state)
+
+
+def _update_pool_kernel(layer_ref, slots_ref, x_ref, weight_ref, pool_ref, y_ref, new_pool_ref):
+    """layer_ref [1], slots_ref [B] int32; pool_ref, new_pool_ref the whole [L, S, K-1, C] pool (one buffer on the
+    GPU, aliased); x_ref, y_ref [block_c]; weight_ref [block_c, K]."""
+    row, block = pl.program_id(0), pl.program_id(1)
+    block_c = x_ref.shape[0]
+    keep = pool_ref.shape[2]
+    layer, slot, columns = layer_ref[0], slots_ref[row], pl.ds(block * block_c, block_c)
+    # Every row of the window is a [block_c] vector of one layout, so the thread that loads column c of a state
+    # row is the thread that stores column c of the shifted state: each thread's stores follow its own loads of
+    # the same addresses, and no thread writes what another still has to read (module notes, in place).
+    window = [pool_ref[layer, slot, j, columns].astype(x_ref.dtype) for j in range(keep)] + [x_ref[...]]
+    acc = sum(window[j].astype(jnp.float32) * weight_ref[:, j].astype(jnp.float32) for j in range(keep + 1))
+    y_ref[...] = _silu_rounded(acc, y_ref.dtype)
+    for j in range(keep):
+        new_pool_ref[layer, slot, j, columns] = window[j + 1].astype(new_pool_ref.dtype)
+
+
+def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret=False, block_c=None, num_warps=None):
+    """Pallas version of `causal_conv1d_update_pool_ref` (module notes, in-pool update). Not jitted, and lax
+    primitives only around the pallas_call, as `gdn_decode_pool_pallas`."""
+    batch, channels = x.shape
+    taps = weight.shape[1]
+    assert pool.shape[2:] == (taps - 1, channels), (pool.shape, weight.shape)
+    block_c = _block(channels, block_c or BLOCK_C_UPDATE)
+    row_spec = pl.BlockSpec((None, block_c), lambda b, c: (b, c))
+    whole = pl.BlockSpec(memory_space=pl.ANY)  # the kernel finds its rows from slots
+    return pl.pallas_call(
+        _update_pool_kernel,
+        grid=(batch, channels // block_c),
+        in_specs=[whole, whole, row_spec, pl.BlockSpec((block_c, taps), lambda b, c: (c, 0)), whole],
+        out_specs=[row_spec, whole],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
+        input_output_aliases={4: 1},  # pool in -> pool out: only the step's rows are written
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="conv1d_update_pool",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(slots, jnp.int32), x, weight, pool)
 
 
 def _window_rows(x_ref, state_ref, index, columns):

@@ -190,11 +190,14 @@ class GatedDeltaNet(nnx.Module):
 
     def _decode(self, ctx, mixed, g, beta, ssm, conv, pools, layer):
         weight = self.conv1d.weight[...][:, 0, :]
+        if ssm is None:  # "in_pool": the decode rows' states are updated where they live, in the slot pools
+            slots = ctx.inputs.decode.slots
+            mixed, conv_pool = ctx.mixers.conv_update_pool(mixed, weight, pools.conv, layer, slots)
+            q, k, v = self._split_qkv(mixed)
+            out, pool = ctx.mixers.gdn_decode_pool(q, k, v, g, beta, pools.ssm, layer, slots)
+            return out, None, None, dataclasses.replace(pools, ssm=pool, conv=conv_pool)
         mixed, conv = ctx.mixers.conv_update(mixed, weight, conv)
         q, k, v = self._split_qkv(mixed)
-        if ssm is None:  # "in_pool": the decode rows' states are updated where they live, in the slot pool
-            out, pool = ctx.mixers.gdn_decode_pool(q, k, v, g, beta, pools.ssm, layer, ctx.inputs.decode.slots)
-            return out, None, conv, dataclasses.replace(pools, ssm=pool)
         out, ssm = ctx.mixers.gdn_decode(q, k, v, g, beta, ssm)
         return out, ssm, conv, pools
 
@@ -208,15 +211,19 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x, state: GdnState, ctx: StepContext, pools: KVPages, layer):
         """x [N, hidden]; state: this layer's rows (decode rows first, then prefill rows), except that with
-        pools.ssm set ("in_pool") state.ssm holds the prefill rows only and the decode rows' recurrent states
-        are updated in pools.ssm, GDN layer `layer` of it. Returns (output, new state, pools)."""
+        pools.ssm set ("in_pool") state holds the prefill rows only and the decode rows' recurrent and conv
+        states are updated in pools.ssm and pools.conv, GDN layer `layer` of them. Returns (output, new state,
+        pools)."""
         linear = ctx.mixers.linear
         mixed, z, b, a = _projections(self, "in_proj", self._widths(), x, linear)
         beta = jax.nn.sigmoid(b)
         a = a.astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-        ssm_sides = ctx.split_rows(state.ssm) if pools.ssm is None else (None, state.ssm)
-        sides = (ctx.split(mixed), ctx.split(g), ctx.split(beta), ssm_sides, ctx.split_rows(state.conv))
+        if pools.ssm is None:
+            ssm_sides, conv_sides = ctx.split_rows(state.ssm), ctx.split_rows(state.conv)
+        else:
+            ssm_sides, conv_sides = (None, state.ssm), (None, state.conv)
+        sides = (ctx.split(mixed), ctx.split(g), ctx.split(beta), ssm_sides, conv_sides)
         outs, ssms, convs = [], [], []
         for run, (mixed_s, g_s, beta_s, ssm_s, conv_s) in zip(
             (self._decode, self._prefill), zip(*sides, strict=True), strict=True
@@ -228,9 +235,14 @@ class GatedDeltaNet(nnx.Module):
                 convs.append(conv_s)
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv, dv]
         out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)
-        ssms = [x for x in ssms if x is not None]  # "in_pool": the decode side returns no state
-        ssm = jnp.concatenate(ssms) if ssms else state.ssm  # "in_pool" with no prefill rows: state.ssm is empty
-        return self.out_proj(out, linear), GdnState(ssm, jnp.concatenate(convs)), pools
+        return self.out_proj(out, linear), GdnState(_rows_or(ssms, state.ssm), _rows_or(convs, state.conv)), pools
+
+
+def _rows_or(parts: list, empty: jax.Array) -> jax.Array:
+    """The sides' new states joined; "in_pool" decode sides return None, and with no prefill rows the state is
+    the (empty) input."""
+    parts = [x for x in parts if x is not None]
+    return jnp.concatenate(parts) if parts else empty
 
 
 def rotate_half(x):
@@ -369,6 +381,7 @@ class KVPages:
     k_pages: jax.Array
     v_pages: jax.Array
     ssm: jax.Array | None = None
+    conv: jax.Array | None = None  # with ssm: the GDN conv-state pool, updated in place the same way
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,8 +399,8 @@ class ModelDef:
     # docs/performance.md), so the engine runs "unstacked" there (EngineConfig.layer_loop "auto").
     layer_loop: str = "scan"
     # "gather": the step's GDN states are gathered out of the slot pool, carried, and scattered back.
-    # "in_pool": decode rows' recurrent states are updated in the pool by the kernel (one read and write of
-    # each instead of three); prefill rows and the conv states are still gathered. "in_pool" is the engine's
+    # "in_pool": decode rows' recurrent and conv states are updated in their pools by the kernels (one read and
+    # write of each instead of three); prefill rows' states are still gathered. "in_pool" is the engine's
     # default (EngineConfig.gdn_state; batch-256 decode 33 against 55 ms on the H200, docs/performance.md).
     gdn_state: str = "gather"
     # The MLP's gate and up projections as one weight (`fuse_weights`; the group graph definition has it too).
@@ -499,8 +512,8 @@ def forward(
     h = top.embed(_flat(inputs, "tokens"))
     cfg = model.cfg
     in_pool = model.gdn_state == "in_pool" and inputs.decode is not None
-    slots, states = _gather_states(cache, inputs, cfg, decode_ssm=not in_pool)
-    kv = KVPages(cache.k_pages, cache.v_pages, cache.ssm if in_pool else None)
+    slots, states = _gather_states(cache, inputs, cfg, decode_rows=not in_pool)
+    kv = KVPages(cache.k_pages, cache.v_pages, *((cache.ssm, cache.conv) if in_pool else ()))
 
     def body(carry, xs):
         h, kv = carry
@@ -510,13 +523,14 @@ def forward(
 
     xs = (params["groups"], jnp.arange(cfg.num_groups, dtype=jnp.int32), states)
     (h, kv), states = _layer_loop(model.layer_loop, body, (h, kv), xs, cfg.num_groups)
-    ssm_pool, ssm_slots = (kv.ssm, _prefill_slots(inputs)) if in_pool else (cache.ssm, slots)
-    if ssm_slots is not None:
-        ssm_pool = ssm_pool.at[:, ssm_slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:]))
-    cache = Cache(
-        k_pages=kv.k_pages, v_pages=kv.v_pages, ssm=ssm_pool,
-        conv=cache.conv.at[:, slots].set(states.conv.reshape(cfg.num_linear_layers, *states.conv.shape[2:])),
-    )  # fmt: skip
+    if in_pool:
+        ssm_pool, conv_pool, state_slots = kv.ssm, kv.conv, _prefill_slots(inputs)
+    else:
+        ssm_pool, conv_pool, state_slots = cache.ssm, cache.conv, slots
+    if state_slots is not None:  # the rows not updated in place go back to their pools
+        ssm_pool = ssm_pool.at[:, state_slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:]))
+        conv_pool = conv_pool.at[:, state_slots].set(states.conv.reshape(cfg.num_linear_layers, *states.conv.shape[2:]))
+    cache = Cache(k_pages=kv.k_pages, v_pages=kv.v_pages, ssm=ssm_pool, conv=conv_pool)
     return top.logits(h[_logit_rows(inputs, all_prefill_logits)]), cache
 
 
@@ -564,10 +578,10 @@ def _prefill_slots(inputs: StepInputs) -> jax.Array | None:
     return None if inputs.prefill is None else inputs.prefill.slots
 
 
-def _gather_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config, decode_ssm: bool = True):
+def _gather_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config, decode_rows: bool = True):
     """(slots, GdnState): the step's rows of the GDN slot pools, [groups, linear_per_group, R, ...], read once
     per step (the loop carries only these rows, never the whole pools); a row that starts a new sequence
-    reads zeros. Without decode_ssm the recurrent states hold the prefill rows only (gdn_state "in_pool")."""
+    reads zeros. Without decode_rows the states hold the prefill rows only (gdn_state "in_pool")."""
     slots, fresh = [], []
     if inputs.decode is not None:
         slots.append(inputs.decode.slots)
@@ -576,11 +590,11 @@ def _gather_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config, decode_s
         slots.append(inputs.prefill.slots)
         fresh.append(inputs.prefill.fresh)
     slots, fresh = jnp.concatenate(slots), jnp.concatenate(fresh)
-    skip = 0 if decode_ssm else inputs.num_decode
+    skip = 0 if decode_rows else inputs.num_decode
 
     def rows(pool, skip=0):
         x = pool[:, slots[skip:]]
         x = jnp.where(fresh[skip:].reshape(1, -1, *([1] * (x.ndim - 2))), jnp.zeros((), x.dtype), x)
         return x.reshape(cfg.num_groups, cfg.linear_per_group, *x.shape[1:])
 
-    return slots, GdnState(rows(cache.ssm, skip), rows(cache.conv))
+    return slots, GdnState(rows(cache.ssm, skip), rows(cache.conv, skip))

@@ -11,6 +11,8 @@ Tolerances:
   value within an ulp or two of a bf16 rounding boundary, so flips are rare (none measured on the CPU): at
   most 1% of outputs may differ at all (skipping the rounding before the SiLU changes 25-35% of them).
 - The new conv state is a copy of input values, so it must match exactly.
+In-pool update: y with the same tolerances; the pool rows it writes are copies of inputs too (exact), and the rows it
+does not write must come back bit-identical (it never touches them), except the trash slot that padding rows share.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from qwen35_jax.kernels.conv1d import (
     causal_conv1d_prefill_pallas,
     causal_conv1d_prefill_ref,
     causal_conv1d_update_pallas,
+    causal_conv1d_update_pool_pallas,
+    causal_conv1d_update_pool_ref,
     causal_conv1d_update_ref,
 )
 
@@ -137,6 +141,79 @@ def test_chunked_ragged_prefill_equals_one_prefill(dtype):
     assert_state_equal(conv, ref_state)
 
 
+POOL_LAYERS = 3
+
+
+def pool_case(seed, batch, channels, dtype, padding):
+    """A random pool [POOL_LAYERS, batch + 3, K-1, C]; `batch` distinct live slots in shuffled order, then
+    `padding` padding rows at the trash slot (the last)."""
+    rng = np.random.default_rng(seed)
+    num_slots = batch + 3
+    pool = jnp.asarray(rng.standard_normal((POOL_LAYERS, num_slots, TAPS - 1, channels)), dtype)
+    slots = np.concatenate([rng.permutation(num_slots - 1)[:batch], np.full(padding, num_slots - 1)])
+    return pool, jnp.asarray(slots, jnp.int32), num_slots - 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch, channels, padding", [(1, 96, 0), (3, 384, 2), (5, 1024, 1)])
+def test_update_pool_matches_ref_over_steps(batch, channels, padding, dtype):
+    """Updates at layers 1, 2, 2, 0, kernel (jitted, `layer` traced) and reference each carrying their own pool:
+    y and the written rows as the reference; every row not written bit-identical to before."""
+    pool, slots, trash = pool_case(batch, batch, channels, dtype, padding)
+    _, weight, _ = conv_inputs(jax.random.PRNGKey(batch), (1,), channels, dtype)
+    kernel_step = jax.jit(lambda *a: causal_conv1d_update_pool_pallas(*a, interpret=True))
+    kernel_pool = ref_pool = pool
+    for step, layer in enumerate([1, 2, 2, 0]):
+        x = jax.random.normal(jax.random.PRNGKey(10 + step), (batch + padding, channels)).astype(dtype)
+        y, new_pool = kernel_step(x, weight, kernel_pool, jnp.int32(layer), slots)
+        ref_y, ref_pool = causal_conv1d_update_pool_ref(x, weight, ref_pool, jnp.int32(layer), slots)
+        assert y.dtype == dtype and new_pool.shape == pool.shape and new_pool.dtype == pool.dtype
+        assert_y_close(y[:batch], ref_y[:batch], dtype, f"y, step {step}")
+        live = np.ones(pool.shape[:2], bool)
+        live[:, trash] = False
+        assert_state_equal(np.asarray(new_pool)[live], np.asarray(ref_pool)[live], f"pool, step {step}")
+        untouched = live.copy()
+        untouched[layer, np.asarray(slots)] = False
+        assert_state_equal(np.asarray(new_pool)[untouched], np.asarray(kernel_pool)[untouched], f"step {step}")
+        kernel_pool = new_pool
+
+
+def test_update_pool_ref_is_gather_update_scatter():
+    """`causal_conv1d_update_pool_ref` is the plain update on pool[layer][slots] written back to those rows."""
+    pool, slots, _ = pool_case(7, 4, 64, jnp.float32, 0)
+    x, weight, _ = conv_inputs(jax.random.PRNGKey(7), (4,), 64, jnp.float32)
+    y, new_pool = causal_conv1d_update_pool_ref(x, weight, pool, jnp.int32(2), slots)
+    expected_y, rows = causal_conv1d_update_ref(x, weight, pool[2][slots])
+    expected_pool = np.array(pool)
+    expected_pool[2, np.asarray(slots)] = np.asarray(rows)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(expected_y))
+    np.testing.assert_array_equal(np.asarray(new_pool), expected_pool)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_update_pool_lowers_to_triton_for_h200():
+    """4B shapes at batch 64 over a [24, 257, 3, 8192] bf16 pool (given abstractly): it lowers, the pool (operand
+    4) is aliased to the new pool (result 1), so XLA updates the rows in place, and the grid is (B, C/512)."""
+    spec = jax.ShapeDtypeStruct
+    text = lower_for_h200(
+        causal_conv1d_update_pool_pallas, spec((64, 8192), jnp.bfloat16), spec((8192, TAPS), jnp.bfloat16),
+        spec((24, 257, TAPS - 1, 8192), jnp.bfloat16), spec((), jnp.int32), spec((64,), jnp.int32),
+    ).as_text()  # fmt: skip
+    assert "output_operand_alias<output_tuple_indices = [1], operand_index = 4" in text
+    assert re.findall(r"grid_[xyz] = (\d+)", text) == ["64", "16", "1"]
+
+
+def test_update_pool_wrapper_holds_no_nested_jit():
+    """Only lax primitives around the pallas_call: the model may call it inside stream-annotated regions."""
+    spec = jax.ShapeDtypeStruct
+    jaxpr = jax.make_jaxpr(lambda *a: causal_conv1d_update_pool_pallas(*a, interpret=True))(
+        spec((2, 64), jnp.float32), spec((64, TAPS), jnp.float32), spec((2, 4, TAPS - 1, 64), jnp.float32),
+        spec((), jnp.int32), spec((2,), jnp.int32),
+    )  # fmt: skip
+    names = [eqn.primitive.name for eqn in jaxpr.eqns]
+    assert "pallas_call" in names and not {"jit", "pjit", "closed_call"} & set(names), names
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_lowers_to_triton_for_h200():
     """4B shapes (C = 8192, K = 4) through the Triton lowering: tensor sizes are powers of two, every
@@ -189,3 +266,22 @@ def test_gpu_prefill_matches_host_math_at_4b_shapes():
     window = np.concatenate([np.float32(state), np.float32(x)], axis=1)
     assert_y_close(y, exact_conv_silu(window, weight, x.shape[1]), jnp.bfloat16)
     assert_state_equal(conv, ref_conv)
+
+
+@pytest.mark.gpu
+def test_gpu_update_pool_matches_host_math_at_4b_shapes():
+    """Batch 64 over a [24, 67, 3, 8192] pool, the pool donated (in place): y against the host math, the pool
+    against the reference's, over three steps at different layers."""
+    pool, slots, _ = pool_case(0, 64, 8192, jnp.bfloat16, padding=0)
+    pool = jnp.concatenate([pool] * 8)  # 24 layers
+    _, weight, _ = conv_inputs(jax.random.PRNGKey(0), (1,), 8192, jnp.bfloat16)
+    step = jax.jit(causal_conv1d_update_pool_pallas, donate_argnums=2)
+    ref_step = jax.jit(causal_conv1d_update_pool_ref)
+    ref_pool = pool + 0  # a copy: `pool` is donated
+    for i, layer in enumerate([5, 23, 5]):
+        x = jax.random.normal(jax.random.PRNGKey(i + 1), (64, 8192)).astype(jnp.bfloat16)
+        window = np.concatenate([np.float32(ref_pool[layer][slots]), np.float32(x)[:, None]], axis=1)
+        y, pool = step(x, weight, pool, jnp.int32(layer), slots)
+        _, ref_pool = ref_step(x, weight, ref_pool, jnp.int32(layer), slots)
+        assert_y_close(y, exact_conv_silu(window, weight, 1)[:, 0], jnp.bfloat16)
+        assert_state_equal(pool, ref_pool)
