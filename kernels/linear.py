@@ -12,7 +12,7 @@ Pallas kernel (Triton lowering): grid (N / block_n, splits). Program (i, s) owns
 i*block_n .. +block_n and the s-th of `splits` equal K ranges; it walks its range in block_k steps, each a
 [rows, block_k] x [block_k, block_n] tensor-core product (rows = M padded to a multiple of 16, the smallest
 tensor-core tile; x is tiny and read from L2 by every program), accumulating in fp32. The tiles are powers of
-two that divide N and K (4B: block_n 64, block_k 256 everywhere). Splitting K gives a
+two that divide N and K (4B: block_n 32, block_k 128 everywhere). Splitting K gives a
 narrow weight (N = 2560 at 4B) enough programs to keep every SM's loads in flight; the splits' fp32 partial
 sums [splits, M, N] are added by XLA, which fuses the sum into the consumer where it can.
 Only M <= MAX_ROWS goes to the kernel: above it the product is compute-bound enough for XLA's GEMMs, which
@@ -31,8 +31,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 MAX_ROWS = 64  # decode batches up to this go to the kernel
-BLOCK_N = 64
-BLOCK_K = 256
+# The best tiling at every 4B product at batch 1 and 64 in the session-6 sweep (tools/bench_linear.py, device
+# trace; docs/kernels.md): block_n 32 / block_k 128 / 3 stages, 64-79% of HBM bandwidth at batch 1 where
+# session 5's 64 / 256 / 3 reached 58-69%.
+BLOCK_N = 32
+BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
 TARGET_PROGRAMS = 4 * 132  # four programs an SM on the H200's 132: enough loads in flight to cover HBM latency

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any
 
 import jax
@@ -22,7 +23,7 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
-from qwen35_jax.kernels.linear import linear_ref
+from qwen35_jax.kernels.linear import MAX_ROWS, linear_ref
 
 # Fused weights (`fuse_weights`): each fused projection and the checkpoint's weights it concatenates, rows in
 # this order. The checkpoint layout (weights.py) is always the unfused one.
@@ -99,10 +100,17 @@ def _add_projections(module, fused_name: str, widths, in_features: int, dtype, f
 
 def _projections(module, fused_name: str, widths, x, linear) -> list[jax.Array]:
     """The outputs of `_add_projections`' projections over x: one product with the concatenated weight when the
-    module holds `fused_name`, one product each otherwise, in the order of `FUSED[fused_name]`."""
-    if hasattr(module, fused_name):
-        return jnp.split(getattr(module, fused_name)(x, linear), list(itertools.accumulate(widths))[:-1], axis=-1)
-    return [getattr(module, name)(x, linear) for name in FUSED[fused_name]]
+    module holds `fused_name`, one product each otherwise, in the order of `FUSED[fused_name]`.
+    Fused input projections (`FUSED_QKV`) over more than MAX_ROWS rows (prefill) multiply each part's rows of the
+    fused weight apart: XLA's GEMM over the fused shapes made an 8192-token 4B prefill 173 ms against 154 ms on
+    the H200 (docs/performance.md, session 6), while decode-sized products gain from the fusion."""
+    if not hasattr(module, fused_name):
+        return [getattr(module, name)(x, linear) for name in FUSED[fused_name]]
+    bounds = list(itertools.accumulate(widths))[:-1]
+    weight = getattr(module, fused_name).weight[...]
+    if fused_name in FUSED_QKV and math.prod(x.shape[:-1]) > MAX_ROWS:
+        return [linear(x, part) for part in jnp.split(weight, bounds, axis=0)]
+    return jnp.split(linear(x, weight), bounds, axis=-1)
 
 
 class MLP(nnx.Module):

@@ -60,8 +60,9 @@ class EngineConfig:
     # block 15% faster at batch 1 and 34% at 256 on the H200 (tools/bench_mlp.py, docs/performance.md).
     fused_mlp: bool = True
     # The GDN layers' qkv, z, b, a weights as one, and the attention layers' q, k, v: 88 fewer products and
-    # weight arrays a 4B step. Written after the session-5 device time ran out: off until the engine A/B says so.
-    fused_qkv: bool = False
+    # weight arrays a 4B step; on the H200 batch-1 TPOT 3.33 against 3.99 ms, batch 64 6.96 against 7.32 ms
+    # (offline_bench --fused-qkv on|off, docs/performance.md, session 6).
+    fused_qkv: bool = True
     # XLA compile options for every program, ((name, value), ...), e.g. (("xla_gpu_enable_triton_gemm", False),)
     # for A/B runs (offline_bench --xla-option); part of the persistent cache key. XLA rejects unknown names.
     xla_options: tuple = ()

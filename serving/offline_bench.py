@@ -252,7 +252,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--fused-mlp", default="on", choices=("on", "off"),
                         help="A/B: the MLP's gate and up weights as one product (EngineConfig.fused_mlp)")  # fmt: skip
-    parser.add_argument("--fused-qkv", default="off", choices=("on", "off"),
+    parser.add_argument("--fused-qkv", default="on", choices=("on", "off"),
                         help="A/B: each layer's input projections as one product (EngineConfig.fused_qkv)")  # fmt: skip
     parser.add_argument("--xla-option", action="append", default=None, metavar="NAME=VALUE",
                         help="an XLA compile option for every program (A/B), e.g. xla_gpu_enable_triton_gemm=false; "

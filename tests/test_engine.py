@@ -823,21 +823,22 @@ def test_unfused_mlp_engine_serves_the_same_tokens(engines, engine, tiny_model):
         engines.release(unfused)
 
 
-def test_fused_qkv_engine_serves_the_same_tokens(engines, engine):
-    """--fused-qkv on (each layer's input projections as one weight, fused at build with the MLP's) gives the
-    default engine's greedy tokens, unified steps included. A model of its own: the build replaces its weights."""
+def test_unfused_qkv_engine_serves_the_same_tokens(engines, engine, tiny_model):
+    """--fused-qkv on (the default: each layer's input projections as one weight, fused at build with the MLP's)
+    and off give the same greedy tokens, unified steps included. A model of its own: the build replaces its weights."""
     from qwen35_jax.api import load_model
 
     model = load_model("tiny", dtype="float32")
-    fused = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, fused_qkv=True,
-                          layer_loop="unstacked")  # fmt: skip
+    unfused = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, fused_qkv=False,
+                            layer_loop="unstacked")  # fmt: skip
     try:
-        assert model.model_def.fused_qkv and model.model_def.fused_mlp
+        assert tiny_model.model_def.fused_qkv and tiny_model.model_def.fused_mlp, "the default engine fuses both"
+        assert not model.model_def.fused_qkv and model.model_def.fused_mlp
         requests = [(prompt(n, seed=500 + n), greedy(m)) for n, m in [(5, 6), (40, 5)]]
-        for got, want in zip(generate(fused, requests), generate(engine, requests), strict=True):
+        for got, want in zip(generate(unfused, requests), generate(engine, requests), strict=True):
             assert_same_greedy(got, want)
     finally:
-        engines.release(fused)
+        engines.release(unfused)
 
 
 def test_auto_layer_loop_is_unstacked_on_a_gpu_only():

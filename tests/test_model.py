@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qwen35_jax.config import preset
+from qwen35_jax.kernels.linear import linear_ref
 from qwen35_jax.model import fuse_weights, unstack_groups
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 512, 90)]
@@ -142,3 +145,34 @@ def test_unstack_groups_can_free_the_stacked_weights():
     assert all(x.is_deleted() for x in stacked)
     for a, b in zip(jax.tree.leaves(kept["groups"]), jax.tree.leaves(freed["groups"]), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fused_input_projections_split_for_prefill_sized_inputs():
+    """Up to MAX_ROWS rows a fused input projection is one product over the fused weight; above it (prefill) each
+    part is its own product over the part's rows of the fused weight, so the outputs are exactly the unfused
+    layer's (the same dot products, bit for bit, XLA's CPU GEMM either way), and the fused MLP stays one product."""
+    from qwen35_jax.kernels.linear import MAX_ROWS
+    from qwen35_jax.model import GatedDeltaNet, _projections
+
+    cfg = preset("tiny")
+    module = GatedDeltaNet(cfg, jnp.float32, fused=True)
+    module.in_proj.weight[...] = jax.random.normal(jax.random.key(0), module.in_proj.weight.shape)
+    widths = module._widths()
+    bounds = np.cumsum(widths)[:-1]
+    calls = []
+
+    def counting_linear(x, w):
+        calls.append(w.shape[0])
+        return linear_ref(x, w)
+
+    for rows, parts in ((MAX_ROWS, [sum(widths)]), (MAX_ROWS + 1, list(widths))):
+        x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size))
+        calls.clear()
+        outs = _projections(module, "in_proj", widths, x, counting_linear)
+        assert calls == parts, (rows, calls)
+        for out, w in zip(outs, np.split(np.asarray(module.in_proj.weight[...]), bounds), strict=True):
+            expected = linear_ref(x, jnp.asarray(w))
+            if rows > MAX_ROWS:
+                np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+            else:  # one wider GEMM: CPU blocking may differ by a few ulps (test above)
+                np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=1e-5)

@@ -27,13 +27,15 @@ from jax_timing import parse_gpu_benchmark_args, roofline_row
 
 from qwen35_jax.roofline import HBM_BYTES_PER_S
 
-# (name, out, in) at 4B: the products of one decode step (XLA merges the GDN qkv and z projections, which share x).
+# (name, out, in) at 4B: the products of one decode step; the first five are the default engine's (fused weights).
 SHAPES_4B = (
+    ("gdn_in_proj", 12352, 2560),  # --fused-qkv: qkv, z, b, a
+    ("mlp_gate_up", 18432, 2560),  # --fused-mlp
+    ("mlp_down", 2560, 9216),
+    ("out_proj", 2560, 4096),  # GDN out_proj and attention o_proj (both [hidden, 4096])
+    ("attn_qkv", 10240, 2560),  # --fused-qkv: q (with its gate), k, v
     ("gdn_qkv_z", 12288, 2560),
     ("mlp_gate", 9216, 2560),
-    ("mlp_gate_up", 18432, 2560),
-    ("mlp_down", 2560, 9216),
-    ("out_proj", 2560, 4096),
     ("attn_q", 8192, 2560),
 )
 

@@ -124,7 +124,7 @@ def main() -> None:
                              "tokens. At 0.5 the batch-64/256 runs on the H200 stopped while compiling, XLA's "
                              "rematerialisation pass reporting the program over its memory limit (session 4)")  # fmt: skip
     parser.add_argument("--fused-mlp", default="on", choices=("on", "off"), help="as offline_bench --fused-mlp")
-    parser.add_argument("--fused-qkv", default="off", choices=("on", "off"), help="as offline_bench --fused-qkv")
+    parser.add_argument("--fused-qkv", default="on", choices=("on", "off"), help="as offline_bench --fused-qkv")
     parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")

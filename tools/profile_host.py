@@ -25,7 +25,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layer-loop", default="unstacked", choices=("scan", "unstacked"))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--fused-qkv", default="off", choices=("on", "off"), help="as offline_bench --fused-qkv")
+    parser.add_argument("--fused-qkv", default="on", choices=("on", "off"), help="as offline_bench --fused-qkv")
     parser.add_argument("--top", type=int, default=25, help="functions listed, by cumulative time")
     args = parser.parse_args(argv)
 
