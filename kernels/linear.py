@@ -30,7 +30,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-MAX_ROWS = 64  # decode batches up to this go to the kernel
+# Decode batches up to this go to the kernel. On the H200 (4B, session 6) the kernel wins at batch 1 and 16 (engine
+# TPOT 3.21 / 3.79 ms against 4.96 / 4.89 ms with XLA's products) and loses at 64 (6.35 against 5.98 ms; the
+# device-trace sweep agrees: XLA's GEMMs 3-13% faster per product at 64 rows). 32 is between, unmeasured.
+MAX_ROWS = 32
 # The best tiling at every 4B product at batch 1 and 64 in the session-6 sweep (tools/bench_linear.py, device
 # trace; docs/kernels.md): block_n 32 / block_k 128 / 3 stages, 64-79% of HBM bandwidth at batch 1 where
 # session 5's 64 / 256 / 3 reached 58-69%.

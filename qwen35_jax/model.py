@@ -23,7 +23,7 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
-from qwen35_jax.kernels.linear import MAX_ROWS, linear_ref
+from qwen35_jax.kernels.linear import linear_ref
 
 # Fused weights (`fuse_weights`): each fused projection and the checkpoint's weights it concatenates, rows in
 # this order. The checkpoint layout (weights.py) is always the unfused one.
@@ -33,6 +33,7 @@ FUSED_QKV = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
 }
 FUSED = {**FUSED_MLP, **FUSED_QKV}
+FUSED_QKV_MAX_ROWS = 256  # the largest decode batch measured faster fused; prefill-sized inputs split (_projections)
 
 
 def _param(shape, dtype) -> nnx.Param:
@@ -101,14 +102,14 @@ def _add_projections(module, fused_name: str, widths, in_features: int, dtype, f
 def _projections(module, fused_name: str, widths, x, linear) -> list[jax.Array]:
     """The outputs of `_add_projections`' projections over x: one product with the concatenated weight when the
     module holds `fused_name`, one product each otherwise, in the order of `FUSED[fused_name]`.
-    Fused input projections (`FUSED_QKV`) over more than MAX_ROWS rows (prefill) multiply each part's rows of the
-    fused weight apart: XLA's GEMM over the fused shapes made an 8192-token 4B prefill 173 ms against 154 ms on
-    the H200 (docs/performance.md, session 6), while decode-sized products gain from the fusion."""
+    Fused input projections (`FUSED_QKV`) over more than FUSED_QKV_MAX_ROWS rows (prefill chunks) multiply each
+    part's rows of the fused weight apart: XLA's GEMM over the fused shapes made an 8192-token 4B prefill 173 ms
+    against 154 ms on the H200 (docs/performance.md, session 6), while decode batches up to 256 gain from it."""
     if not hasattr(module, fused_name):
         return [getattr(module, name)(x, linear) for name in FUSED[fused_name]]
     bounds = list(itertools.accumulate(widths))[:-1]
     weight = getattr(module, fused_name).weight[...]
-    if fused_name in FUSED_QKV and math.prod(x.shape[:-1]) > MAX_ROWS:
+    if fused_name in FUSED_QKV and math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
         return [linear(x, part) for part in jnp.split(weight, bounds, axis=0)]
     return jnp.split(linear(x, weight), bounds, axis=-1)
 

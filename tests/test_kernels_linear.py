@@ -88,11 +88,11 @@ def test_default_splits_reach_enough_programs_on_narrow_weights():
 
 
 def test_lowers_to_triton_for_h200():
-    """4B gate/up and down products at batch 1 and 64: Triton accepts the default tiles (block_n 32, block_k 128);
+    """4B gate/up and down products at batch 1 and MAX_ROWS (32): Triton accepts the default tiles (block_n 32, block_k 128);
     the grids are (N/32, splits)."""
     spec = jax.ShapeDtypeStruct
     grids = []
-    for m, n, k in [(1, 18432, 2560), (64, 2560, 9216)]:
+    for m, n, k in [(1, 18432, 2560), (MAX_ROWS, 2560, 9216)]:
         text = lower_for_h200(linear_pallas, spec((m, k), jnp.bfloat16), spec((n, k), jnp.bfloat16)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
         grids.append(re.findall(r"grid_[xyz] = (\d+)", text))
@@ -113,7 +113,7 @@ def test_kernel_sets_swap_single_kernels():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", [(1, 18432, 2560), (16, 2560, 9216), (64, 2560, 4096), (64, 8192, 2560),
+@pytest.mark.parametrize("m, n, k", [(1, 18432, 2560), (16, 2560, 9216), (32, 2560, 4096), (32, 8192, 2560),
                                      (1, 32, 2560)])  # fmt: skip
 def test_gpu_matches_exact_product_at_4b_shapes(m, n, k):
     x, w = operands(m, n, k, jnp.bfloat16, seed=m)

@@ -148,10 +148,10 @@ def test_unstack_groups_can_free_the_stacked_weights():
 
 
 def test_fused_input_projections_split_for_prefill_sized_inputs():
-    """Up to MAX_ROWS rows a fused input projection is one product over the fused weight; above it (prefill) each
+    """Up to FUSED_QKV_MAX_ROWS rows a fused input projection is one product over the fused weight; above (prefill) each
     part is its own product over the part's rows of the fused weight, so the outputs are exactly the unfused
     layer's (the same dot products, bit for bit, XLA's CPU GEMM either way), and the fused MLP stays one product."""
-    from qwen35_jax.kernels.linear import MAX_ROWS
+    from qwen35_jax.model import FUSED_QKV_MAX_ROWS as MAX_ROWS
     from qwen35_jax.model import GatedDeltaNet, _projections
 
     cfg = preset("tiny")

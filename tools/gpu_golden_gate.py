@@ -135,7 +135,21 @@ def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",)) -> dict[str, d
     start = time.perf_counter()
     model = load_model(folder, dtype="bfloat16", kernels="ref")  # the weights; each comparison sets its kernels
     timings["project_load_safetensors_s"] = time.perf_counter() - start
-    return {k: compare_with_project(model, runs, hf, k, dict(timings)) for k in kernel_sets}
+    served = as_the_engine_serves(model)
+    return {k: {**compare_with_project(model, runs, hf, k, dict(timings)), "model": served} for k in kernel_sets}
+
+
+def as_the_engine_serves(model) -> dict:
+    """The loaded model switched to the engine's defaults (EngineConfig): fused weights and the decode rows' GDN
+    states updated in their pools, so the gate checks what `serve` runs, not only the checkpoint's layout."""
+    import dataclasses
+
+    from qwen35_jax.serving.factory import EngineConfig, use_fused_weights
+
+    defaults = EngineConfig()
+    use_fused_weights(model, defaults.fused_mlp, defaults.fused_qkv)
+    model.model_def = dataclasses.replace(model.model_def, gdn_state=defaults.gdn_state)
+    return {"fused_mlp": defaults.fused_mlp, "fused_qkv": defaults.fused_qkv, "gdn_state": defaults.gdn_state}
 
 
 BF16_GDN_PREFILL = "gdn_prefill=pallas-bf16"
