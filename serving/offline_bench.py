@@ -219,7 +219,9 @@ def search_largest_batch(args, model, rng) -> tuple[dict | None, dict | None]:
         engine = None
         try:
             engine, _ = build(args, model, [batch], [args.context], args.context + batch + args.steps + 32)
-            return bench_decode(engine, model.config, batch, args.context, args.steps, rng)
+            result = bench_decode(engine, model.config, batch, args.context, args.steps, rng)
+            print(json.dumps({"fits": result}), flush=True)  # each candidate as it ends: a long search may be cut
+            return result
         finally:
             if engine is not None:
                 _release(engine)
