@@ -15,8 +15,8 @@ tensor-core tile; x is tiny and read from L2 by every program), accumulating in 
 two that divide N and K (4B: block_n 32, block_k 128 everywhere). Splitting K gives a
 narrow weight (N = 2560 at 4B) enough programs to keep every SM's loads in flight; the splits' fp32 partial
 sums [splits, M, N] are added by XLA, which fuses the sum into the consumer where it can.
-Only M <= MAX_ROWS goes to the kernel: above it the product is compute-bound enough for XLA's GEMMs, which
-tile M. Shapes with N or K not a multiple of 16 go to `linear_ref` too.
+Only M <= MAX_ROWS goes to the kernel: from 64 rows on XLA's GEMMs, which tile M, were measured faster (MAX_ROWS
+notes). Shapes with N or K not a multiple of 16 go to `linear_ref` too.
 """
 
 from __future__ import annotations
