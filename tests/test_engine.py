@@ -805,36 +805,21 @@ def test_unstacked_layer_loop_serves_the_same_tokens(engines, engine):
         engines.release(unstacked)
 
 
-def test_unfused_mlp_engine_serves_the_same_tokens(engines, engine, tiny_model):
-    """--fused-mlp on (the default: gate and up as one weight, fused at build before unstacking) and off give the
-    same greedy tokens, with the unstacked loop too. A model of its own: building the engine replaces its weights."""
+def test_unfused_engine_serves_the_same_tokens(engines, engine, tiny_model):
+    """--fused-mlp on and --fused-qkv on (the defaults: gate/up and each layer's input projections as one weight
+    each, fused at build before unstacking) and both off give the same greedy tokens, unified steps included, with
+    the unstacked loop. A model of its own: building an engine replaces its weights. One engine for both flags: a
+    mistake in either fusion changes the default engine's tokens against this one."""
     from qwen35_jax.api import load_model
 
     model = load_model("tiny", dtype="float32")
     unfused = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, fused_mlp=False,
-                            layer_loop="unstacked")  # fmt: skip
-    try:
-        assert tiny_model.model_def.fused_mlp, "the default engine fuses the MLP"
-        assert not model.model_def.fused_mlp and model.model_def.layer_loop == "unstacked"
-        requests = [(prompt(n, seed=400 + n), greedy(m)) for n, m in [(5, 6), (40, 5)]]
-        for got, want in zip(generate(unfused, requests), generate(engine, requests), strict=True):
-            assert_same_greedy(got, want)
-    finally:
-        engines.release(unfused)
-
-
-def test_unfused_qkv_engine_serves_the_same_tokens(engines, engine, tiny_model):
-    """--fused-qkv on (the default: each layer's input projections as one weight, fused at build with the MLP's)
-    and off give the same greedy tokens, unified steps included. A model of its own: the build replaces its weights."""
-    from qwen35_jax.api import load_model
-
-    model = load_model("tiny", dtype="float32")
-    unfused = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, fused_qkv=False,
-                            layer_loop="unstacked")  # fmt: skip
+                            fused_qkv=False, layer_loop="unstacked")  # fmt: skip
     try:
         assert tiny_model.model_def.fused_qkv and tiny_model.model_def.fused_mlp, "the default engine fuses both"
-        assert not model.model_def.fused_qkv and model.model_def.fused_mlp
-        requests = [(prompt(n, seed=500 + n), greedy(m)) for n, m in [(5, 6), (40, 5)]]
+        assert not model.model_def.fused_qkv and not model.model_def.fused_mlp
+        assert model.model_def.layer_loop == "unstacked"
+        requests = [(prompt(n, seed=400 + n), greedy(m)) for n, m in [(5, 6), (40, 5)]]
         for got, want in zip(generate(unfused, requests), generate(engine, requests), strict=True):
             assert_same_greedy(got, want)
     finally:
