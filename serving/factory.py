@@ -149,12 +149,18 @@ def use_fused_weights(model, mlp: bool, qkv: bool) -> None:
         model.model_def, model.params = fuse_weights(model_def, model.params, mlp=mlp, qkv=qkv, delete_unfused=True)
 
 
+def use_weights_and_states(model, config: EngineConfig) -> None:
+    """Switch a loaded model to the config's fused weights and GDN-state handling (what the engine computes,
+    whatever the layer loop; the GPU gate checks this form)."""
+    use_fused_weights(model, config.fused_mlp, config.fused_qkv)
+    model.model_def = dataclasses.replace(model.model_def, gdn_state=config.gdn_state)
+
+
 def build_engine(model, config: EngineConfig, compile_now: bool = True, progress=None) -> Engine:
     """model: a qwen35_jax.api.LoadedModel (its params are fused and unstacked in place as the config asks)."""
     enable_compile_cache(config.compile_cache)
-    use_fused_weights(model, config.fused_mlp, config.fused_qkv)  # before unstacking: fusing needs stacked weights
+    use_weights_and_states(model, config)  # before unstacking: fusing needs stacked weights
     use_layer_loop(model, resolve_layer_loop(config.layer_loop))
-    model.model_def = dataclasses.replace(model.model_def, gdn_state=config.gdn_state)
     spec = cache_spec(model.config, model.dtype, config)
     log.info(
         "caches: %d KV pages of %d tokens (%.2f GiB), %d GDN slots (%.2f GiB)",

@@ -142,13 +142,10 @@ def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",)) -> dict[str, d
 def as_the_engine_serves(model) -> dict:
     """The loaded model switched to the engine's defaults (EngineConfig): fused weights and the decode rows' GDN
     states updated in their pools, so the gate checks what `serve` runs, not only the checkpoint's layout."""
-    import dataclasses
-
-    from qwen35_jax.serving.factory import EngineConfig, use_fused_weights
+    from qwen35_jax.serving.factory import EngineConfig, use_weights_and_states
 
     defaults = EngineConfig()
-    use_fused_weights(model, defaults.fused_mlp, defaults.fused_qkv)
-    model.model_def = dataclasses.replace(model.model_def, gdn_state=defaults.gdn_state)
+    use_weights_and_states(model, defaults)
     return {"fused_mlp": defaults.fused_mlp, "fused_qkv": defaults.fused_qkv, "gdn_state": defaults.gdn_state}
 
 
