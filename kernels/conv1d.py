@@ -89,14 +89,19 @@ def _silu_rounded(acc: jax.Array, dtype) -> jax.Array:
     return jax.nn.silu(acc.astype(dtype).astype(jnp.float32)).astype(dtype)
 
 
+def _update_window(window: list, weight_ref, y_ref) -> list:
+    """window: the K-1 state rows then x, [block_c] each in x's dtype; writes y, returns the new state rows."""
+    acc = sum(row.astype(jnp.float32) * weight_ref[:, j].astype(jnp.float32) for j, row in enumerate(window))
+    y_ref[...] = _silu_rounded(acc, y_ref.dtype)
+    return window[1:]
+
+
 def _update_kernel(x_ref, weight_ref, state_ref, y_ref, new_state_ref):
     """x_ref, y_ref [block_c]; weight_ref [block_c, K]; state_ref, new_state_ref [K-1, block_c]."""
     keep = state_ref.shape[0]
     window = [state_ref[j, :].astype(x_ref.dtype) for j in range(keep)] + [x_ref[...]]
-    acc = sum(window[j].astype(jnp.float32) * weight_ref[:, j].astype(jnp.float32) for j in range(keep + 1))
-    y_ref[...] = _silu_rounded(acc, y_ref.dtype)
-    for j in range(keep):
-        new_state_ref[j, :] = window[j + 1].astype(new_state_ref.dtype)
+    for j, row in enumerate(_update_window(window, weight_ref, y_ref)):
+        new_state_ref[j, :] = row.astype(new_state_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_c", "num_warps", "interpret"))
@@ -142,10 +147,8 @@ def _update_pool_kernel(layer_ref, slots_ref, x_ref, weight_ref, pool_ref, y_ref
     # row is the thread that stores column c of the shifted state: each thread's stores follow its own loads of
     # the same addresses, and no thread writes what another still has to read (module notes, in place).
     window = [pool_ref[layer, slot, j, columns].astype(x_ref.dtype) for j in range(keep)] + [x_ref[...]]
-    acc = sum(window[j].astype(jnp.float32) * weight_ref[:, j].astype(jnp.float32) for j in range(keep + 1))
-    y_ref[...] = _silu_rounded(acc, y_ref.dtype)
-    for j in range(keep):
-        new_pool_ref[layer, slot, j, columns] = window[j + 1].astype(new_pool_ref.dtype)
+    for j, row in enumerate(_update_window(window, weight_ref, y_ref)):
+        new_pool_ref[layer, slot, j, columns] = row.astype(new_pool_ref.dtype)
 
 
 def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret=False, block_c=None, num_warps=None):

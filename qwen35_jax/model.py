@@ -537,8 +537,10 @@ def forward(
     else:
         ssm_pool, conv_pool, state_slots = cache.ssm, cache.conv, slots
     if state_slots is not None:  # the rows not updated in place go back to their pools
-        ssm_pool = ssm_pool.at[:, state_slots].set(states.ssm.reshape(cfg.num_linear_layers, *states.ssm.shape[2:]))
-        conv_pool = conv_pool.at[:, state_slots].set(states.conv.reshape(cfg.num_linear_layers, *states.conv.shape[2:]))
+        ssm_pool, conv_pool = (
+            pool.at[:, state_slots].set(rows.reshape(cfg.num_linear_layers, *rows.shape[2:]))
+            for pool, rows in ((ssm_pool, states.ssm), (conv_pool, states.conv))
+        )
     cache = Cache(k_pages=kv.k_pages, v_pages=kv.v_pages, ssm=ssm_pool, conv=conv_pool)
     return top.logits(h[_logit_rows(inputs, all_prefill_logits)]), cache
 
