@@ -151,8 +151,7 @@ def test_fused_input_projections_split_for_prefill_sized_inputs():
     """Up to FUSED_QKV_MAX_ROWS rows a fused input projection is one product over the fused weight; above (prefill) each
     part is its own product over the part's rows of the fused weight, so the outputs are exactly the unfused
     layer's (the same dot products, bit for bit, XLA's CPU GEMM either way), and the fused MLP stays one product."""
-    from qwen35_jax.model import FUSED_QKV_MAX_ROWS as MAX_ROWS
-    from qwen35_jax.model import GatedDeltaNet, _projections
+    from qwen35_jax.model import FUSED_QKV_MAX_ROWS, MLP, GatedDeltaNet, _projections
 
     cfg = preset("tiny")
     module = GatedDeltaNet(cfg, jnp.float32, fused=True)
@@ -165,14 +164,18 @@ def test_fused_input_projections_split_for_prefill_sized_inputs():
         calls.append(w.shape[0])
         return linear_ref(x, w)
 
-    for rows, parts in ((MAX_ROWS, [sum(widths)]), (MAX_ROWS + 1, list(widths))):
+    for rows, parts in ((FUSED_QKV_MAX_ROWS, [sum(widths)]), (FUSED_QKV_MAX_ROWS + 1, list(widths))):
         x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size))
         calls.clear()
         outs = _projections(module, "in_proj", widths, x, counting_linear)
         assert calls == parts, (rows, calls)
         for out, w in zip(outs, np.split(np.asarray(module.in_proj.weight[...]), bounds), strict=True):
             expected = linear_ref(x, jnp.asarray(w))
-            if rows > MAX_ROWS:
+            if rows > FUSED_QKV_MAX_ROWS:
                 np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
             else:  # one wider GEMM: CPU blocking may differ by a few ulps (test above)
                 np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=1e-5)
+    mlp = MLP(cfg, jnp.float32, fused=True)
+    calls.clear()
+    _projections(mlp, "gate_up_proj", mlp.widths, x, counting_linear)  # x: the prefill-sized rows
+    assert calls == [sum(mlp.widths)], calls
