@@ -70,8 +70,13 @@ _PALLAS = (
 # program for the H200 takes 0.3-0.6 s so, against 1.0-4.0 s with 56 separate Triton lowerings (this
 # CPU); XLA inlines the calls, so the compiled program is the same. Built once: jit keys compiled programs on
 # the Mixers value, so these must be the same objects every time.
-PALLAS = Mixers("pallas", *(jax.jit(f) for f in _PALLAS))
-PALLAS_INTERPRET = Mixers("pallas-interpret", *(jax.jit(functools.partial(f, interpret=True)) for f in _PALLAS))
+# The products' prologue switches (`kernels.linear`) are Python values the kernel is built from.
+_STATIC = {linear_pallas: ("eps", "glu")}
+PALLAS = Mixers("pallas", *(jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS))
+PALLAS_INTERPRET = Mixers(
+    "pallas-interpret",
+    *(jax.jit(functools.partial(f, interpret=True), static_argnames=_STATIC.get(f)) for f in _PALLAS),
+)
 
 
 def mixers(name: str, interpret: bool = False) -> Mixers:

@@ -17,6 +17,17 @@ narrow weight (N = 2560 at 4B) enough programs to keep every SM's loads in fligh
 sums [splits, M, N] are added by XLA, which fuses the sum into the consumer where it can.
 Only M <= MAX_ROWS goes to the kernel: from 64 rows on XLA's GEMMs, which tile M, were measured faster (MAX_ROWS
 notes). Shapes with N or K not a multiple of 16 go to `linear_ref` too.
+
+Prologues: the product may first transform x, in the kernel as in the reference, so that what feeds a product
+is not a kernel of its own (at batch 1 on the H200, the RMSNorm before each input projection was two small XLA
+kernels, a row reduction and a normalise-and-pad, and the MLP's silu(gate) * up a third: 159 of a 4B step's 703
+kernels, ~0.23 ms of its 3.3, session-6 profile):
+- `norm_weight` (+ `eps`): x := `rms_norm(x, norm_weight, eps)`, the model's zero-centred RMSNorm. The kernel sums
+  each row's squares over all of K (every program; x is a few KB, read from L2) before its own K range, then
+  normalises each x block as it loads it, with the reference's rounding (fp32, cast to x's dtype).
+- `glu`: x is [M, 2K], gate then up; x := `silu_mul(gate, up)` (the fused MLP's gate_up output), K = w's K.
+Rows: x keeps its M rows (no padding copy); the kernel's tiles have `rows` (16 or 32) rows, and tile row r
+reads and writes row min(r, M - 1), so rows past M repeat the last row's work and store its values again.
 """
 
 from __future__ import annotations
@@ -45,8 +56,34 @@ TARGET_PROGRAMS = 4 * 132  # four programs an SM on the H200's 132: enough loads
 MIN_STEPS = 4  # block_k steps a program at least (a longer loop pipelines its loads better)
 
 
-def linear_ref(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] @ w[N, K]^T with fp32 accumulation, x's dtype out (XLA's dot)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The MLP's activation: silu(gate) rounded to the model dtype, times up (the exact product of two bf16
+    values fits fp32, so this rounds once, as a bf16 multiply does)."""
+    act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+    return (act.astype(jnp.float32) * up.astype(jnp.float32)).astype(up.dtype)
+
+
+def prologue_ref(x: jax.Array, norm_weight=None, eps: float = 1e-6, glu: bool = False) -> jax.Array:
+    """What the product reads instead of x (module notes: Prologues)."""
+    if glu:
+        gate, up = jnp.split(x, 2, axis=-1)
+        x = silu_mul(gate, up)
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    return x
+
+
+def linear_ref(x: jax.Array, w: jax.Array, *, norm_weight=None, eps: float = 1e-6, glu: bool = False) -> jax.Array:
+    """prologue(x) [..., K] @ w[N, K]^T with fp32 accumulation, x's dtype out (XLA's dot). norm_weight / eps /
+    glu: the prologue (module notes)."""
+    x = prologue_ref(x, norm_weight, eps, glu)
     out = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return out.astype(x.dtype)
 
@@ -65,16 +102,44 @@ def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
     return best
 
 
-def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int):
+def _x_block(x_ref, norm_ref, rows_at, col, block_k: int, k: int, scale, glu: bool):
+    """The [rows, block_k] block of the product's input at column `col`, its prologue applied."""
+    if glu:
+        return silu_mul(x_ref[rows_at, pl.ds(col, block_k)], x_ref[rows_at, pl.ds(k + col, block_k)])
+    x = x_ref[rows_at, pl.ds(col, block_k)]
+    if norm_ref is None:
+        return x
+    weight = norm_ref[pl.ds(col, block_k)].astype(jnp.float32)
+    return (x.astype(jnp.float32) * scale * (1.0 + weight)[None, :]).astype(x.dtype)
+
+
+def _row_scale(x_ref, rows_at, block_k: int, k: int, eps: float):
+    """rsqrt(mean(x^2) + eps) of each tile row over all of K, [rows, 1] fp32."""
+
+    def body(j, sq):
+        x = x_ref[rows_at, pl.ds(pl.multiple_of(j * block_k, block_k), block_k)].astype(jnp.float32)
+        return sq + x * x
+
+    sq = lax.fori_loop(0, k // block_k, body, jnp.zeros((rows_at.shape[0], block_k), jnp.float32))
+    return lax.rsqrt(jnp.sum(sq, axis=1, keepdims=True) / k + eps)
+
+
+def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, rows: int, eps: float, glu: bool):
+    norm_ref, out_ref = refs if len(refs) == 2 else (None, *refs)
     first = pl.program_id(1) * steps
+    rows_at = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), x_ref.shape[0] - 1)  # tile row -> x row (notes)
+    k = x_ref.shape[1] // 2 if glu else x_ref.shape[1]
+    scale = None if norm_ref is None else _row_scale(x_ref, rows_at, block_k, k, eps)
 
     def body(j, acc):
-        x = x_ref[:, pl.ds(pl.multiple_of((first + j) * block_k, block_k), block_k)]
+        col = pl.multiple_of((first + j) * block_k, block_k)
+        x = _x_block(x_ref, norm_ref, rows_at, col, block_k, k, scale, glu)
         w = w_ref[:, pl.ds(pl.multiple_of(j * block_k, block_k), block_k)]
         return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    rows, block_n = out_ref.shape
-    out_ref[...] = lax.fori_loop(0, steps, body, jnp.zeros((rows, block_n), jnp.float32)).astype(out_ref.dtype)
+    block_n = out_ref.shape[-1]
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((rows, block_n), jnp.float32))
+    out_ref[rows_at, :] = acc.astype(out_ref.dtype)
 
 
 def _tile(size: int, cap: int) -> int:
@@ -93,42 +158,45 @@ def fits_kernel(x_shape, w_shape, block_n: int, block_k: int) -> bool:
     )
 
 
-def linear_pallas(x, w, *, block_n=None, block_k=None, splits=None, num_warps=None, num_stages=None,
-                  interpret=False):  # fmt: skip
-    """Pallas form of `linear_ref` (same layouts and rounding; fp32 sums in a different order). Rows beyond
-    MAX_ROWS, and shapes the tiles do not divide, take `linear_ref`. block_n / block_k / splits / num_warps /
-    num_stages: tiling, for sweeps (None: the defaults above, cut to the largest power of two dividing N and K;
-    splits from `default_splits`). An explicit block_n / block_k that does not divide N / K is an error, not a
-    silent fallback: a sweep must not time XLA's product under the kernel's name."""
+def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = False, block_n=None, block_k=None,
+                  splits=None, num_warps=None, num_stages=None, interpret=False):  # fmt: skip
+    """Pallas form of `linear_ref` (same layouts, prologues and rounding; fp32 sums in a different order). Rows
+    beyond MAX_ROWS, and shapes the tiles do not divide, take `linear_ref`. block_n / block_k / splits /
+    num_warps / num_stages: tiling, for sweeps (None: the defaults above, cut to the largest power of two
+    dividing N and K; splits from `default_splits`). An explicit block_n / block_k that does not divide N / K is
+    an error, not a silent fallback: a sweep must not time XLA's product under the kernel's name."""
     for given, size, name in ((block_n, w.shape[0], "block_n"), (block_k, w.shape[1], "block_k")):
         if given and size % given:
             raise ValueError(f"{name}={given} does not divide {size}")
-    block_n = block_n or _tile(w.shape[0], BLOCK_N)
-    block_k = block_k or _tile(w.shape[1], BLOCK_K)
+    n, k = w.shape
+    if x.shape[-1] != (2 * k if glu else k):
+        raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={k}" + (" (glu: 2K)" if glu else ""))
+    block_n = block_n or _tile(n, BLOCK_N)
+    block_k = block_k or _tile(k, BLOCK_K)
     if not fits_kernel(x.shape, w.shape, block_n, block_k):
-        return linear_ref(x, w)
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = w.shape[0]
-    x2 = x.reshape(-1, k)
+        return linear_ref(x, w, norm_weight=norm_weight, eps=eps, glu=glu)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    rows = max(16, -(-m // 16) * 16)
-    x2 = jnp.pad(x2, ((0, rows - m), (0, 0)))
     splits = splits or default_splits(n, k, block_n, block_k)
     steps = k // block_k // splits
     if steps * splits * block_k != k:
         raise ValueError(f"splits={splits} does not divide K={k} into block_k={block_k} steps")
     out_dtype = x.dtype if splits == 1 else jnp.float32
+    operands = (x2, w) if norm_weight is None else (x2, w, norm_weight)
+    norm_spec = [] if norm_weight is None else [pl.BlockSpec((k,), lambda i, s: (0,))]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, steps=steps),
+        functools.partial(_kernel, block_k=block_k, steps=steps, rows=pl.next_power_of_2(max(m, 16)), eps=eps,
+                          glu=glu),
         grid=(n // block_n, splits),
-        in_specs=[pl.BlockSpec((rows, k), lambda i, s: (0, 0)),
-                  pl.BlockSpec((block_n, steps * block_k), lambda i, s: (i, s))],
-        out_specs=pl.BlockSpec((None, rows, block_n), lambda i, s: (s, 0, i)),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, n), out_dtype),
+        in_specs=[pl.BlockSpec(x2.shape, lambda i, s: (0, 0)),
+                  pl.BlockSpec((block_n, steps * block_k), lambda i, s: (i, s)), *norm_spec],
+        out_specs=pl.BlockSpec((None, m, block_n), lambda i, s: (s, 0, i)),
+        out_shape=jax.ShapeDtypeStruct((splits, m, n), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
                                                 num_stages=num_stages or NUM_STAGES),
         interpret=interpret,
         name="linear",
-    )(x2, w)  # fmt: skip
+    )(*operands)  # fmt: skip
     out = out[0] if splits == 1 else out.sum(axis=0)
-    return out[:m].astype(x.dtype).reshape(*lead, n)
+    return out.astype(x.dtype).reshape(*lead, n)

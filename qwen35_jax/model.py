@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
-from qwen35_jax.kernels.linear import linear_ref
+from qwen35_jax.kernels.linear import linear_ref, rms_norm, silu_mul
 
 # Fused weights (`fuse_weights`): each fused projection and the checkpoint's weights it concatenates, rows in
 # this order. The checkpoint layout (weights.py) is always the unfused one.
@@ -46,13 +46,38 @@ def _param(shape, dtype) -> nnx.Param:
 matmul = linear_ref
 
 
+class Normed(NamedTuple):
+    """Rows an RMSNorm has yet to normalise: the products that read them apply it as their prologue
+    (`kernels.linear`), so at decode the norm is not a kernel of its own. Carries the rows' shape and dtype."""
+
+    rows: jax.Array
+    weight: jax.Array
+    eps: float
+
+    @property
+    def shape(self):
+        return self.rows.shape
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+
+def product(linear, x, weight):
+    """x (rows, or Normed rows) @ weight^T through `linear` (`matmul`'s signature)."""
+    if isinstance(x, Normed):
+        return linear(x.rows, weight, norm_weight=x.weight, eps=x.eps)
+    return linear(x, weight)
+
+
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, dtype):
         self.weight = _param((out_features, in_features), dtype)
 
     def __call__(self, x, linear=matmul):
-        """linear: the product's implementation, `matmul`'s signature (the step's `Mixers.linear`)."""
-        return linear(x, self.weight[...])
+        """x: rows or `Normed` rows; linear: the product's implementation, `matmul`'s signature (the step's
+        `Mixers.linear`)."""
+        return product(linear, x, self.weight[...])
 
 
 class Weight(nnx.Module):
@@ -70,9 +95,11 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
+
+    def deferred(self, x) -> Normed:
+        """x to be normalised by the products that read it (`Normed`)."""
+        return Normed(x, self.weight[...], self.eps)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -110,8 +137,8 @@ def _projections(module, fused_name: str, widths, x, linear) -> list[jax.Array]:
     bounds = list(itertools.accumulate(widths))[:-1]
     weight = getattr(module, fused_name).weight[...]
     if fused_name in FUSED_QKV and math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
-        return [linear(x, part) for part in jnp.split(weight, bounds, axis=0)]
-    return jnp.split(linear(x, weight), bounds, axis=-1)
+        return [product(linear, x, part) for part in jnp.split(weight, bounds, axis=0)]
+    return jnp.split(product(linear, x, weight), bounds, axis=-1)
 
 
 class MLP(nnx.Module):
@@ -124,8 +151,13 @@ class MLP(nnx.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def __call__(self, x, linear=matmul):
+        """x: rows or `Normed` rows. Fused, the down product applies silu(gate) * up to the gate/up output as its
+        prologue (`kernels.linear`: one kernel fewer at decode); unfused, XLA does."""
+        if hasattr(self, "gate_up_proj"):
+            gate_up = product(linear, x, self.gate_up_proj.weight[...])
+            return linear(gate_up, self.down_proj.weight[...], glu=True)
         gate, up = _projections(self, "gate_up_proj", self.widths, x, linear)
-        return self.down_proj(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * up, linear)
+        return self.down_proj(silu_mul(gate, up), linear)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,12 +369,13 @@ class DecoderLayer(nnx.Module):
     def __call__(self, h, cache, layer, state, ctx, linear_layer=None):
         """Linear layers read and return their GdnState (and, "in_pool", the slot pool in cache.ssm, their
         index linear_layer of it); the attention layer reads and returns the KV pages (its index: layer)."""
+        x = self.input_layernorm.deferred(h)  # the norms run in the products' prologues (`Normed`)
         if hasattr(self, "linear_attn"):
-            out, state, cache = self.linear_attn(self.input_layernorm(h), state, ctx, cache, linear_layer)
+            out, state, cache = self.linear_attn(x, state, ctx, cache, linear_layer)
         else:
-            out, cache = self.self_attn(self.input_layernorm(h), cache, layer, ctx)
+            out, cache = self.self_attn(x, cache, layer, ctx)
         h = h + out
-        return h + self.mlp(self.post_attention_layernorm(h), ctx.mixers.linear), cache, state
+        return h + self.mlp(self.post_attention_layernorm.deferred(h), ctx.mixers.linear), cache, state
 
 
 class LayerGroup(nnx.Module):
