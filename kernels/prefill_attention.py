@@ -12,9 +12,13 @@ Layouts:
 Returns o [P, T, H, D] in q's dtype.
 
 `paged_prefill_attention_pallas` is the Pallas GPU kernel (Triton lowering; `interpret=True` runs it on the
-CPU): the grid, tiling and numerics are in the notes above it. Its defaults (PREFILL_TUNING: bf16 128 tile
-rows, block_k 64, 8 warps, 2 stages, heavy query blocks first) are the fastest of the tuning grid on the H200 at
-4B shapes (`tools/bench_attention.py --sweep` times the grid).
+CPU): the grid, tiling and numerics are in the notes above it, and so are its options for the CUDA-core work
+per key block (exp2: a base-2 online softmax, the default; lazy_rescale: rescale the accumulator only when a
+row's max grows by more than 2^8; hoist_index, the default: the page index of unmasked key blocks from
+static sizes).
+Its tiling defaults (PREFILL_TUNING: bf16 128 tile rows, block_k 64, 8 warps, 2 stages, heavy query blocks
+first) are the fastest of the tuning grid on the H200 at 4B shapes (`tools/bench_attention.py --sweep` times
+the grid).
 
 tokamax (openxla/tokamax 0.0.17, the newest on PyPI, read from its wheel): a pure-Python wheel needing
 jax >= 0.11.1, so it would install beside jax 0.11.2, but it pulls qwix, xprof, tensorboardx, pydantic,
@@ -32,6 +36,7 @@ warp-specialised Hopper kernel (TMA + wgmma) should beat the Triton lowering.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +88,50 @@ def paged_prefill_attention_ref(q, k_pages, v_pages, layer, page_table, start, l
 # Numerics: the flash / online softmax of `decode_attention` (scores and softmax state in fp32, exp(s - m)
 # rounded to the model dtype before the value product, divided by the fp32 sum at the end); about one
 # bf16 ulp from the reference in bf16, summation order (~1e-6) in fp32.
+#
+# Softmax options (`prefill_softmax_step`; keyword arguments of the wrapper, so a sweep can A/B them). Why
+# they should help: at 8 warps the program's [128, 256] fp32 accumulator o lives in registers, and every
+# key block the CUDA cores do per-score work ([128, block_k]: scale, subtract the max, exp, row max and sum,
+# round to bf16) and per-accumulator work ([128, 256]: o *= correction, four times the per-score count at
+# block_k 64) between the two tensor-core products of the block, on the same SM. Whether each pays is the
+# sweep's to say (`tools/bench_attention.py --kernel prefill --chunk 8192 --prefix 0 --sweep --prefill-grid
+# softmax`); exp2 and hoist_index are the defaults (measured faster, session 7), lazy_rescale is off (slower).
+# - exp2 (default on): the softmax runs in the base-2 domain. The raw q.k scores are multiplied by
+#   scale * log2(e) once (the multiply that `* scale` was, and it can fuse with the max subtraction into one
+#   FMA), the running max m is kept in those units, and p and the correction are exp2(...). The Triton
+#   lowering calls libdevice: __nv_exp2f is one ex2.approx (the special-function unit), __nv_expf is the
+#   same ex2.approx behind a range reduction of about six more instructions (FMAs with log2(e) split in two
+#   parts, a rounding to the integer part, a shift and a final multiply; read from CUDA 13.0's
+#   libdevice.10.bc). The row max
+#   is taken on the raw scores and scaled once per row (max commutes with a positive scale, rounding
+#   included). l and o mean what they did: the result differs from exp's by the fp32 rounding of the
+#   exponent arguments (~1e-6 relative per probability at the largest arguments), far inside both test
+#   tolerances (measured in interpret mode: fp32 max |o - ref| 1.8e-6 with exp2, 2.0e-6 with exp).
+# - lazy_rescale (default off; FlashAttention-4's conditional rescaling): o and l are rescaled only when some
+#   tile row's block max exceeds its stored max by more than rescale_threshold (8 in log2 units, a factor
+#   256); otherwise every row keeps its stale max, so p = exp2(s - m) <= 2^8: finite in fp32 and in bf16,
+#   whose exponent range is fp32's, with the same 8-bit mantissa rounding at any magnitude. o and l always
+#   share their row's max, so o / l at the end is the same quotient. The branch is a `lax.cond` per program
+#   (Triton: scf.if) on "any row grows": it skips the [128, 256] multiply of o, and the per-row exp of the
+#   correction, in blocks where no row's max grows by more than the threshold (with scores like the
+#   benchmark's, N(0, 1) in natural units, every block after the first: the max over 8192 keys is only ~2
+#   log2 units above the max over the first 64); when taken, every row is rescaled to its exact new max.
+#   The price is the tile-wide reduction of that flag (a cross-warp reduction through shared memory) every
+#   block, and a branch in the loop that Triton's software pipeline has to schedule around. The first block
+#   always takes the branch (m = -inf); a row that has seen no visible key keeps m = -inf, o = 0, l = 0 in
+#   both branches, since p = exp2(-inf - 0) = 0.
+# - hoist_index (default on): the index work of an unmasked key block. `load_kv_block` turns each of the
+#   block_k lanes into a page slot (position // page_size, a signed division) and an in-page offset
+#   (position % page_size, a remainder) every block, before the page-id gather and the K/V addresses. In an
+#   unmasked block the alignment is static: when block_k is a multiple of page_size (the 4B default: 64 over
+#   pages of 16), a lane's slot is block * (block_k / page_size) + lane // page_size and its offset
+#   lane % page_size, both lane constants computed once per program, so the block costs a scalar multiply
+#   and a vector add before the gather, and the offset's share of the address is loop-invariant; when
+#   page_size is a multiple of block_k the block lies in one page: one scalar page id and a contiguous
+#   slice. The masked blocks keep the clamped per-lane path. The same keys are read: no change in results.
+#   Looked at and left: `frontier` is already computed once per program, and the masked blocks (the
+#   `jnp.minimum` clamp and the [M, block_k] compare and select) are about block_q / block_k + 1 of a
+#   program's up to chunk / block_k blocks, too few to show in a sweep.
 
 
 def _q_block(index, num_q_blocks: int, heavy_first: bool):
@@ -90,8 +139,79 @@ def _q_block(index, num_q_blocks: int, heavy_first: bool):
     return num_q_blocks - 1 - index if heavy_first else index
 
 
+LOG2_E = math.log2(math.e)
+# lazy_rescale keeps a stale row max until a block's max exceeds it by more than this (log2 units: a factor 256).
+RESCALE_THRESHOLD = 8.0
+
+
+def prefill_softmax_step(carry, scores, v, precision, *, scale: float, exp2: bool = True,
+                         rescale_threshold: float | None = None):  # fmt: skip
+    """Fold one key block into the running (o [M, D], m [M], l [M]). scores [M, block_k] are the raw q.k
+    products in fp32 (not yet scaled), -inf where masked. exp2: m is kept in units of scale * log2(e) * q.k
+    and exponentials are exp2; otherwise in units of scale * q.k with exp (`online_softmax_step` exactly
+    when rescale_threshold is None). rescale_threshold (log2 units, any domain): rescale o and l only when
+    some row's block max exceeds its stored max by more than this; None: every block (see the notes above).
+    A row that has seen no visible key yet keeps m = -inf, l = 0, o = 0 (no NaN)."""
+    if not exp2 and rescale_threshold is None:
+        return online_softmax_step(carry, scores * scale, v, precision)
+    factor, exp = (scale * LOG2_E, jnp.exp2) if exp2 else (scale, jnp.exp)
+    o, m, l = carry
+    block_max = scores.max(axis=-1) * factor  # = max of the scaled scores: rounding is monotone
+
+    def rescale(o, m, l):
+        m_next = jnp.maximum(m, block_max)
+        correction = exp(m - _finite_max(m_next))  # 0 for rows with m = -inf: their o and l are 0 anyway
+        return correction[:, None] * o, m_next, correction * l
+
+    if rescale_threshold is None:
+        o, m, l = rescale(o, m, l)
+    else:
+        threshold = rescale_threshold if exp2 else rescale_threshold * math.log(2.0)
+        grows = (block_max > m + threshold).astype(jnp.int32).max() > 0  # m = -inf: any visible key grows it
+        o, m, l = lax.cond(grows, rescale, lambda o, m, l: (o, m, l), o, m, l)
+    p = exp(scores * factor - _finite_max(m)[:, None])  # <= 2^threshold with a stale m
+    return o + matmul(p.astype(v.dtype), v, precision=precision), m, l + p.sum(axis=-1)
+
+
+def _finite_max(m):
+    """m with -inf (rows that saw no visible key) as 0, so that exp(-inf - m) is 0 and never NaN."""
+    return lax.select(m == -jnp.inf, lax.full_like(m, 0.0), m)
+
+
+def _aligned_kv_loader(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, block_k: int):
+    """load(block) -> K, V [block_k, D] of key block `block` (positions block * block_k + [0, block_k), all
+    cached), with the block's alignment to the pages taken from the static sizes (`hoist_index`): what
+    `load_kv_block` derives per lane with a division and a remainder is a loop-invariant lane constant.
+    None when neither of block_k and page_size divides the other."""
+    page_size = k_pages_ref.shape[2]
+    if page_size % block_k and block_k % page_size:
+        return None  # neither size divides the other: blocks straddle pages unevenly, the per-lane path stays
+    if page_size % block_k == 0:  # the block lies in one page: one scalar page id, a contiguous slice of it
+
+        def load(block):
+            per_page = page_size // block_k
+            if per_page == 1:
+                page, first = page_table_ref[row, block], 0
+            else:
+                page, first = page_table_ref[row, lax.div(block, per_page)], lax.rem(block, per_page) * block_k
+            index = (layer, page, pl.ds(first, block_k), kv_head, slice(None))
+            return k_pages_ref[index], v_pages_ref[index]
+
+        return load
+    lanes = jnp.arange(block_k, dtype=jnp.int32)
+    lane_page, lane_offset = lax.div(lanes, page_size), lax.rem(lanes, page_size)  # hoisted out of the loop
+
+    def load(block):
+        pages = page_table_ref[row, block * (block_k // page_size) + lane_page]
+        index = (layer, pages, lane_offset, kv_head, slice(None))
+        return k_pages_ref[index], v_pages_ref[index]
+
+    return load
+
+
 def _prefill_kernel(layer_ref, start_ref, lengths_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
-                    *, block_k: int, scale: float, num_q_blocks: int, heavy_first: bool):  # fmt: skip
+                    *, block_k: int, num_q_blocks: int, heavy_first: bool, hoist_index: bool,
+                    softmax_step):  # fmt: skip
     row, kv_head = pl.program_id(0), pl.program_id(1)
     q_block = _q_block(pl.program_id(2), num_q_blocks, heavy_first)
     block_q, group, dim = q_ref.shape
@@ -105,16 +225,22 @@ def _prefill_kernel(layer_ref, start_ref, lengths_ref, page_table_ref, q_ref, k_
     frontier = jnp.minimum(start + first_query + lax.div(jnp.arange(block_q * group, dtype=jnp.int32), group),
                            chunk_end - 1)  # fmt: skip
 
+    load_aligned = (_aligned_kv_loader(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, block_k)
+                    if hoist_index else None)  # fmt: skip
+
     def step(block, carry, masked):
-        positions = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        if masked:  # lanes past block_end re-read its last key and are masked out below
-            positions = jnp.minimum(positions, block_end - 1)
-        k, v = load_kv_block(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, positions)
-        scores = matmul(q, k, transpose_b=True, precision=precision) * scale  # [block_q * group, block_k]
+        if load_aligned is not None and not masked:
+            k, v = load_aligned(block)
+        else:
+            positions = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
+            if masked:  # lanes past block_end re-read its last key and are masked out below
+                positions = jnp.minimum(positions, block_end - 1)
+            k, v = load_kv_block(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, positions)
+        scores = matmul(q, k, transpose_b=True, precision=precision)  # [block_q * group, block_k], unscaled
         if masked:
             visible = (block * block_k + jnp.arange(block_k))[None, :] <= frontier[:, None]
             scores = jnp.where(visible, scores, -jnp.inf)
-        return online_softmax_step(carry, scores, v, precision)
+        return softmax_step(carry, scores, v, precision)
 
     num_blocks = jnp.where(first_query < length, pl.cdiv(block_end, block_k), 0)
     # Keys at or before the block's first query position are visible to every tile row.
@@ -135,13 +261,21 @@ PREFILL_TUNING = {2: (128, 64), 4: (32, 16)}
 
 def paged_prefill_attention_pallas(q, k_pages, v_pages, layer, page_table, start, lengths, *, interpret=False,
                                    block_q: int | None = None, block_k: int | None = None, num_warps: int = 8,
-                                   num_stages: int = 2, heavy_first: bool = True):  # fmt: skip
+                                   num_stages: int = 2, heavy_first: bool = True, exp2: bool = True,
+                                   lazy_rescale: bool = False, rescale_threshold: float = RESCALE_THRESHOLD,
+                                   hoist_index: bool = True):  # fmt: skip
     """Pallas version of `paged_prefill_attention_ref` (same arguments; valid queries give the same result,
     padding queries give finite values nobody reads). block_q (queries per program), block_k (keys per
     step), num_warps and num_stages tune it; None takes PREFILL_TUNING's value for q's dtype.
     heavy_first maps the grid's query-block axis backwards, so the blocks that see the most keys (the
     chunk's last) start first and the short ones fill the tail of the causal triangle, as flash-attention
-    schedules causal work: 5% faster at an 8192-token chunk on the H200, the default."""
+    schedules causal work: 5% faster at an 8192-token chunk on the H200, the default.
+    exp2 runs the online softmax in base 2 (the default; False: natural exp as before); lazy_rescale
+    rescales the accumulator only when a row's max grows by more than rescale_threshold (log2 units, a
+    factor 2^8 by default), per program (off by default). hoist_index loads the unmasked key blocks with
+    page ids and in-page offsets derived from the static block and page sizes (same keys, same result; the
+    default). H200, 8192-token chunk (session 7): exp 1603 us (43.4% of the bf16 roofline), exp2 1527-1537 us
+    (45.5%), exp2 + hoist_index 1503-1511 us (46.2%); lazy_rescale slower in every combination (docs/kernels.md). All three are described in the notes above `prefill_softmax_step`."""
     tile_rows, default_block_k = PREFILL_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
     rows, chunk, heads, dim = q.shape
     kv_heads = k_pages.shape[3]
@@ -155,9 +289,16 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, layer, page_table, start
     tile = pl.BlockSpec((None, block_q, None, group_padded, dim),
                         lambda p, h, i: (p, _q_block(i, num_q_blocks, heavy_first), h, 0, 0))  # fmt: skip
     whole = pl.BlockSpec(memory_space=pl.ANY)
+    softmax_step = functools.partial(prefill_softmax_step, scale=dim**-0.5, exp2=exp2,
+                                     rescale_threshold=rescale_threshold if lazy_rescale else None)  # fmt: skip
     out = pl.pallas_call(
         functools.partial(
-            _prefill_kernel, block_k=block_k, scale=dim**-0.5, num_q_blocks=num_q_blocks, heavy_first=heavy_first
+            _prefill_kernel,
+            block_k=block_k,
+            num_q_blocks=num_q_blocks,
+            heavy_first=heavy_first,
+            hoist_index=hoist_index,
+            softmax_step=softmax_step,
         ),
         grid=(rows, kv_heads, num_q_blocks),
         in_specs=[whole, whole, whole, whole, tile, whole, whole],

@@ -4,6 +4,8 @@ reference, each next to its roofline (decode: bytes moved / 4.3 TB/s; prefill: F
     python tools/bench_attention.py                                   # both kernels, 4B heads, default cases
     python tools/bench_attention.py --kernel decode --batch 1 8 64 --context 1024 4096
     python tools/bench_attention.py --kernel prefill --chunk 512 --prefix 0 4096 --sweep
+    python tools/bench_attention.py --kernel prefill --chunk 8192 --prefix 0 --sweep --prefill-grid softmax
+    python tools/bench_attention.py --kernel prefill --chunk 8192 --prefix 0 --exp2 off --lazy-rescale on
     python tools/bench_attention.py --interpret                       # CPU logic check, tiny shapes
     python tools/bench_attention.py --kernel prefill --chunk 8192 --prefix 0 --dense-baselines
 
@@ -17,6 +19,16 @@ kernels. The page-table width is
 `--max-model-len` / page_size, as the engine sizes it: the reference gathers the whole width, the kernel
 only the pages a row uses. `--sweep` also times the tuning grid and prints the best configuration per case.
 
+Prefill kernel options (kernels/prefill_attention.py): `--exp2 on|off` (base-2 online softmax), `--lazy-rescale
+on|off` (rescale the accumulator only when a row's max grows past the threshold), `--hoist-index on|off` (static
+page index in unmasked key blocks); left out, the kernel's defaults. They apply to the plain row and to every
+sweep entry that does not set them itself. `--prefill-grid` picks the prefill sweep: `tiles` (tile rows x
+block_k x warps x stages, the heavy_first A/B), `softmax` (exp2 x lazy_rescale x stages at the default tiles,
+block_k 64 and 32, and hoist_index on the exp2 points at block_k 64) or `all` (both, the default; the `tiles`
+entries run the kernel's default softmax options). Each result row (JSON) holds `config` (the sweep entry, with
+the option flags merged in) and, added since session 6, `options` (every keyword argument the kernel ran with,
+its defaults filled in; None = the kernel's tuning table).
+
 `--dense-baselines` (prefill cases with prefix 0, the choose-by-measurement item of issue 5): also times two
 library kernels on the same causal problem with contiguous, unpaged q/k/v [rows, chunk, heads, dim]: JAX's
 Mosaic GPU flash attention for Hopper (`jax.experimental.pallas.ops.gpu.attention_mgpu`: TMA, wgmma, a
@@ -29,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import itertools
 import sys
 
@@ -47,6 +60,15 @@ PREFILL_SWEEP = [dict(tile_rows=r, block_k=bk, num_warps=w, num_stages=s)
 # it and its neighbours in order, for the A/B.
 PREFILL_SWEEP += [dict(tile_rows=128, block_k=bk, num_warps=8, num_stages=s, heavy_first=False)
                   for bk, s in ((64, 2), (64, 3), (32, 2))]  # fmt: skip
+# The prefill kernel's softmax options at the default tiles (128 rows, 8 warps, heavy first): exp2 x lazy_rescale x
+# 2/3 stages at block_k 64 and 32, then hoist_index on the exp2 points at block_k 64.
+PREFILL_SOFTMAX_SWEEP = [dict(tile_rows=128, block_k=bk, num_warps=8, num_stages=s, exp2=e, lazy_rescale=z)
+                         for bk, s, e, z in itertools.product((64, 32), (2, 3), *[(False, True)] * 2)]  # fmt: skip
+PREFILL_SOFTMAX_SWEEP += [dict(tile_rows=128, block_k=64, num_warps=8, num_stages=s, exp2=True, lazy_rescale=z,
+                               hoist_index=True) for s, z in itertools.product((2, 3), (False, True))]  # fmt: skip
+PREFILL_GRIDS = dict(tiles=PREFILL_SWEEP, softmax=PREFILL_SOFTMAX_SWEEP, all=PREFILL_SWEEP + PREFILL_SOFTMAX_SWEEP)
+# The prefill kernel's boolean options that have a flag (--exp2 on|off, --lazy-rescale, --hoist-index).
+PREFILL_FLAGS = ("exp2", "lazy_rescale", "hoist_index")
 
 
 def make_inputs(rng, lengths, heads, kv_heads, dim, page_size, width, dtype, queries, min_pool_bytes):
@@ -119,8 +141,16 @@ def prefill_options(config: dict, group: int) -> dict:
     return config
 
 
+def kernel_options(kernel, options: dict) -> dict:
+    """Every keyword argument of `kernel` (interpret aside) as it runs with `options`: its defaults filled in."""
+    params = inspect.signature(kernel).parameters.values()
+    defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name != "interpret"}
+    return {**defaults, **options}
+
+
 def bench_case(kind: str, case: dict, shape: dict, args, configs: list[dict]) -> list[dict]:
-    """Time the reference and every kernel configuration of one case; one result row per configuration."""
+    """Time the reference and every kernel configuration of one case; one result row per configuration (prefill
+    entries on top of the option flags, `prefill_flag_options`)."""
     import jax.numpy as jnp
 
     from qwen35_jax.kernels.decode_attention import paged_decode_attention_pallas, paged_decode_attention_ref
@@ -151,17 +181,23 @@ def bench_case(kind: str, case: dict, shape: dict, args, configs: list[dict]) ->
     ref_s = seconds_per_call(ref, operands, **timing)
     rows = []
     for config in configs:
-        options = prefill_options(config, heads // kv_heads) if kind == "prefill" else dict(config)
+        if kind == "prefill":
+            config = {**prefill_flag_options(args), **config}
+            options = prefill_options(config, heads // kv_heads)
+        else:
+            options = dict(config)
         op = functools.partial(kernel, interpret=args.interpret, **options)
         try:
             kernel_s = seconds_per_call(op, operands, **timing)
         except Exception as error:  # a configuration that does not compile (shared memory, registers)
-            rows.append(dict(kind=kind, **case, config=config, error=f"{type(error).__name__}: {error}"[:200]))
+            rows.append(dict(kind=kind, **case, config=config, error=f"{type(error).__name__}: {error}"[:200],
+                             options=kernel_options(kernel, options)))  # fmt: skip
             continue
         roof = roofline_seconds(*work)
         rows.append(dict(kind=kind, **case, config=config, kernel_us=kernel_s * 1e6, ref_us=ref_s * 1e6,
                          bytes=work[0], flops=work[1], roofline_us=roof * 1e6,
-                         roofline_pct=100 * roof / kernel_s, speedup=ref_s / kernel_s))  # fmt: skip
+                         roofline_pct=100 * roof / kernel_s, speedup=ref_s / kernel_s,
+                         options=kernel_options(kernel, options)))  # fmt: skip
     return rows
 
 
@@ -209,6 +245,11 @@ def dense_baseline_rows(case: dict, shape: dict, args) -> list[dict]:
     return out
 
 
+def prefill_flag_options(args) -> dict:
+    """The prefill kernel options given on the command line (--exp2 on|off ...): {keyword: bool}."""
+    return {name: getattr(args, name) == "on" for name in PREFILL_FLAGS if getattr(args, name) is not None}
+
+
 def format_row(row: dict) -> str:
     case = {k: v for k, v in row.items() if k in ("batch", "context", "rows", "chunk", "prefix")}
     label = " ".join(f"{k}={v}" for k, v in case.items())
@@ -216,8 +257,8 @@ def format_row(row: dict) -> str:
     if "impl" in row:
         config = f"{row['impl']} {config}"
     if "error" in row:
-        return f"{row['kind']:8s} {label:34s} {config:44s} FAILED {row['error']}"
-    line = (f"{row['kind']:8s} {label:34s} {config:44s} {row['kernel_us']:9.1f} us {row['bytes'] / 1e6:9.1f} MB "
+        return f"{row['kind']:8s} {label:34s} {config:52s} FAILED {row['error']}"
+    line = (f"{row['kind']:8s} {label:34s} {config:52s} {row['kernel_us']:9.1f} us {row['bytes'] / 1e6:9.1f} MB "
             f"{row['flops'] / 1e9:9.2f} GFLOP {row['roofline_us']:8.1f} us {row['roofline_pct']:5.1f}%")  # fmt: skip
     if "ref_us" in row:  # the dense library baselines have no reference time
         line += f" ref {row['ref_us']:9.1f} us  x{row['speedup']:.2f}"
@@ -241,6 +282,12 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=20, help="calls per timed program")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="also time the tuning grid")
+    parser.add_argument("--prefill-grid", choices=sorted(PREFILL_GRIDS), default="all",
+                        help="which prefill grid --sweep times (module docstring)")  # fmt: skip
+    for flag, what in (("exp2", "base-2 online softmax"), ("lazy_rescale", "lazy accumulator rescaling"),
+                       ("hoist_index", "static page index in unmasked key blocks")):  # fmt: skip
+        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, choices=("on", "off"), default=None,
+                            help=f"prefill kernel: {what} (default: the kernel's)")  # fmt: skip
     parser.add_argument("--dense-baselines", action="store_true", help="also time JAX's dense flash kernels (above)")
     parser.add_argument("--interpret", action="store_true", help="CPU logic check at tiny shapes (times mean nothing)")
     parser.add_argument("--json", default=None, help="write every result row here")
@@ -272,7 +319,9 @@ def main(argv=None) -> int:
         cases += [("prefill", dict(rows=r, chunk=t, prefix=s)) for r in args.rows for t in args.chunk for s in args.prefix]  # fmt: skip
     results = []
     for kind, case in cases:
-        configs = [{}] + ((DECODE_SWEEP if kind == "decode" else PREFILL_SWEEP) if args.sweep else [])
+        configs = [{}] + (
+            (DECODE_SWEEP if kind == "decode" else PREFILL_GRIDS[args.prefill_grid]) if args.sweep else []
+        )
         rows = bench_case(kind, case, shape, args, configs)
         results += rows
         for row in rows:
