@@ -69,13 +69,14 @@ def prologue_case(prologue, m, n, k, dtype, seed=0):
 @pytest.mark.parametrize("m, n, k, splits", [(1, 256, 1024, None), (5, 128, 2048, 2), (16, 64, 512, 1),
                                              (MAX_ROWS, 192, 768, 3)])  # fmt: skip
 def test_prologues_match_exact_product_of_the_reference_prologue(prologue, m, n, k, splits, dtype):
-    """The kernel applies the RMSNorm / silu(gate) * up to x as it loads it. Against the exact product of the
-    reference's prologue output x': the summation bound, plus, in bf16, one bf16 step of each x'_k (the kernel's
-    row sums of squares run in another order, so a rounding of x' may land one step apart): 2^-8 |x'| @ |w|^T.
+    """The kernel applies the RMSNorm / silu(gate) * up to x as it loads it (the norm's products unsplit, the glu's
+    split as given). Against the exact product of the reference's prologue output x': the summation bound, plus,
+    in bf16, one bf16 step of each x'_k (the kernel rounds x * (1 + w) and scales the row after the product, the
+    reference rounds x * rsqrt(..) * (1 + w): the operands may sit one step apart): 2^-8 |x'| @ |w|^T.
     A prologue left out or applied wrongly (the (1 + w) factor, gate and up swapped) moves outputs by tens of
     per cent of that magnitude."""
     x, w, kwargs = prologue_case(prologue, m, n, k, dtype, seed=m)
-    y = linear_pallas(x, w, splits=splits, interpret=True, **kwargs)
+    y = linear_pallas(x, w, splits=splits if prologue == "glu" else None, interpret=True, **kwargs)
     assert y.shape == (m, n) and y.dtype == dtype
     x_in = prologue_ref(x, **kwargs)
     slack = 2.0**-8 * (np.abs(np.float64(np.float32(x_in))) @ np.abs(np.float64(np.float32(w))).T)
@@ -99,10 +100,12 @@ def test_prologue_runs_inside_the_kernel():
     assert "stablehlo.rsqrt" in ref  # the check above can see the op
 
 
-def test_glu_checks_the_width():
+def test_glu_checks_the_width_and_the_norm_refuses_a_k_split():
     x, w = operands(2, 64, 256, jnp.float32)
     with pytest.raises(ValueError, match="glu: 2K"):
         linear_pallas(x, w, glu=True, interpret=True)
+    with pytest.raises(ValueError, match="splits=2"):
+        linear_pallas(x, w, norm_weight=jnp.zeros(256), splits=2, interpret=True)
 
 
 def test_leading_dims_are_flattened_and_restored():
