@@ -71,7 +71,7 @@ _PALLAS = (
 # CPU); XLA inlines the calls, so the compiled program is the same. Built once: jit keys compiled programs on
 # the Mixers value, so these must be the same objects every time.
 # The products' prologue switches (`kernels.linear`) are Python values the kernel is built from.
-_STATIC = {linear_pallas: ("eps", "glu")}
+_STATIC = {linear_pallas: ("eps", "glu", "fuse_prologue")}
 PALLAS = Mixers("pallas", *(jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS))
 PALLAS_INTERPRET = Mixers(
     "pallas-interpret",

@@ -54,6 +54,12 @@ MAX_ROWS = 32
 # session 5's 64 / 256 / 3 reached 58-69%.
 BLOCK_N = 32
 BLOCK_K = 128
+# The prologues in the kernel (module notes) took 175 of a 4B batch-1 step's 703 kernels away, yet the step got
+# slower on the H200 (session 7, x fetched a step ahead: TPOT batch 1 3.18 ms, 16 4.13, 32 6.28 against 3.08 /
+# 3.83 / 4.58 with XLA's fusions computing them; batch-1 profile: the products 2.39 ms a step against 2.08, the
+# rest 0.27 ms less): the norm and glu products lose more than the small kernels they replace.
+# So XLA computes them by default; the kernel path stays for the A/B (`fuse_prologue=True`) and its tests.
+FUSE_PROLOGUE = False
 NUM_WARPS = 4
 NUM_STAGES = 3
 TARGET_PROGRAMS = 4 * 132  # four programs an SM on the H200's 132: enough loads in flight to cover HBM latency
@@ -179,9 +185,11 @@ def fits_kernel(x_shape, w_shape, block_n: int, block_k: int) -> bool:
     )
 
 
-def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = False, block_n=None, block_k=None,
-                  splits=None, num_warps=None, num_stages=None, interpret=False):  # fmt: skip
-    """Pallas form of `linear_ref` (same layouts, prologues and rounding; fp32 sums in a different order). Rows
+def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = False, fuse_prologue=None,
+                  block_n=None, block_k=None, splits=None, num_warps=None, num_stages=None,
+                  interpret=False):  # fmt: skip
+    """Pallas form of `linear_ref` (same layouts, prologues and rounding; fp32 sums in a different order).
+    fuse_prologue: the prologue in the kernel (True) or in XLA before it (False); None: FUSE_PROLOGUE. Rows
     beyond MAX_ROWS, and shapes the tiles do not divide, take `linear_ref`. block_n / block_k / splits /
     num_warps / num_stages: tiling, for sweeps (None: the defaults above, cut to the largest power of two
     dividing N and K; splits from `default_splits`). An explicit block_n / block_k that does not divide N / K is
@@ -196,6 +204,8 @@ def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = Fals
     block_k = block_k or _tile(k, BLOCK_K)
     if not fits_kernel(x.shape, w.shape, block_n, block_k):
         return linear_ref(x, w, norm_weight=norm_weight, eps=eps, glu=glu)
+    if not (FUSE_PROLOGUE if fuse_prologue is None else fuse_prologue):
+        x, norm_weight, glu = prologue_ref(x, norm_weight, eps, glu), None, False  # XLA's fusion computes it
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]

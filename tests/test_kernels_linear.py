@@ -76,7 +76,8 @@ def test_prologues_match_exact_product_of_the_reference_prologue(prologue, m, n,
     A prologue left out or applied wrongly (the (1 + w) factor, gate and up swapped) moves outputs by tens of
     per cent of that magnitude."""
     x, w, kwargs = prologue_case(prologue, m, n, k, dtype, seed=m)
-    y = linear_pallas(x, w, splits=splits if prologue == "glu" else None, interpret=True, **kwargs)
+    y = linear_pallas(x, w, splits=splits if prologue == "glu" else None, fuse_prologue=True, interpret=True,
+                      **kwargs)  # fmt: skip
     assert y.shape == (m, n) and y.dtype == dtype
     x_in = prologue_ref(x, **kwargs)
     slack = 2.0**-8 * (np.abs(np.float64(np.float32(x_in))) @ np.abs(np.float64(np.float32(w))).T)
@@ -85,19 +86,31 @@ def test_prologues_match_exact_product_of_the_reference_prologue(prologue, m, n,
 
 
 def test_prologue_runs_inside_the_kernel():
-    """At 4B decode shapes the norm (rsqrt) and the MLP activation (logistic) are in the Triton kernel: the
-    lowered program has no such op of its own, and one kernel call."""
+    """At 4B decode shapes the norm (rsqrt) and the MLP activation (silu: an exponential) are in the Triton kernel: the
+    lowered program has no such op (silu: exponential) of its own, and one kernel call."""
     spec, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
-    norm = lower_for_h200(lambda x, w, g: linear_pallas(x, w, norm_weight=g), spec((1, 2560), bf16),
+    norm = lower_for_h200(lambda x, w, g: linear_pallas(x, w, norm_weight=g, fuse_prologue=True), spec((1, 2560), bf16),
                           spec((12352, 2560), bf16), spec((2560,), bf16)).as_text()  # fmt: skip
-    glu = lower_for_h200(lambda x, w: linear_pallas(x, w, glu=True), spec((1, 18432), bf16),
+    glu = lower_for_h200(lambda x, w: linear_pallas(x, w, glu=True, fuse_prologue=True), spec((1, 18432), bf16),
                          spec((2560, 9216), bf16)).as_text()  # fmt: skip
     for text in (norm, glu):
         assert text.count("__gpu$xla.gpu.triton") == 1
-        assert not any(f"stablehlo.{op}" in text for op in ("rsqrt", "logistic", "pad", "slice"))
+        assert not any(f"stablehlo.{op}" in text for op in ("rsqrt", "exponential", "pad", "slice"))
     ref = jax.jit(lambda x, w, g: linear_ref(x, w, norm_weight=g)).lower(
         spec((1, 2560), bf16), spec((12352, 2560), bf16), spec((2560,), bf16)).as_text()  # fmt: skip
     assert "stablehlo.rsqrt" in ref  # the check above can see the op
+
+
+@pytest.mark.parametrize("prologue", ["norm", "glu"])
+def test_by_default_xla_computes_the_prologue(prologue):
+    """FUSE_PROLOGUE off (measured slower in the kernel): the kernel multiplies what the reference's prologue gives,
+    bit for bit the plain kernel over prologue_ref(x), and the norm is an XLA op of the lowered program."""
+    x, w, kwargs = prologue_case(prologue, 3, 64, 256, jnp.bfloat16)
+    np.testing.assert_array_equal(np.float32(linear_pallas(x, w, interpret=True, **kwargs)),
+                                  np.float32(linear_pallas(prologue_ref(x, **kwargs), w, interpret=True)))  # fmt: skip
+    spec = jax.ShapeDtypeStruct
+    text = lower_for_h200(lambda x, w: linear_pallas(x, w, **kwargs), spec(x.shape, x.dtype), spec(w.shape, w.dtype))
+    assert ("stablehlo.rsqrt" if prologue == "norm" else "stablehlo.exponential") in text.as_text()
 
 
 def test_glu_checks_the_width_and_the_norm_refuses_a_k_split():
@@ -105,7 +118,7 @@ def test_glu_checks_the_width_and_the_norm_refuses_a_k_split():
     with pytest.raises(ValueError, match="glu: 2K"):
         linear_pallas(x, w, glu=True, interpret=True)
     with pytest.raises(ValueError, match="splits=2"):
-        linear_pallas(x, w, norm_weight=jnp.zeros(256), splits=2, interpret=True)
+        linear_pallas(x, w, norm_weight=jnp.zeros(256), splits=2, fuse_prologue=True, interpret=True)
 
 
 def test_leading_dims_are_flattened_and_restored():
@@ -182,7 +195,7 @@ def test_gpu_matches_exact_product_at_4b_shapes(m, n, k):
 def test_gpu_prologues_at_4b_shapes(prologue, m, n, k):
     """The bound of test_prologues_match_exact_product_of_the_reference_prologue, compiled for the GPU."""
     x, w, kwargs = prologue_case(prologue, m, n, k, jnp.bfloat16, seed=m)
-    y = jax.jit(functools.partial(linear_pallas, **kwargs))(x, w)
+    y = jax.jit(functools.partial(linear_pallas, fuse_prologue=True, **kwargs))(x, w)
     x_in = prologue_ref(x, **kwargs)
     slack = 2.0**-8 * (np.abs(np.float64(np.float32(x_in))) @ np.abs(np.float64(np.float32(w))).T)
     assert_within_summation_bound(y, x_in, w, slack=slack)
