@@ -18,17 +18,20 @@ sums [splits, M, N] are added by XLA, which fuses the sum into the consumer wher
 Only M <= MAX_ROWS goes to the kernel: from 64 rows on XLA's GEMMs, which tile M, were measured faster (MAX_ROWS
 notes). Shapes with N or K not a multiple of 16 go to `linear_ref` too.
 
-Prologues: the product may first transform x, in the kernel as in the reference, so that what feeds a product
-is not a kernel of its own (at batch 1 on the H200, the RMSNorm before each input projection was two small XLA
-kernels, a row reduction and a normalise-and-pad, and the MLP's silu(gate) * up a third: 159 of a 4B step's 703
-kernels, ~0.23 ms of its 3.3, session-6 profile):
+Prologues: the product may first transform x. By default XLA computes the prologue before the kernel (its
+fusions, as before); with `fuse_prologue=True` (or FUSE_PROLOGUE) the kernel applies it to x as it loads it, so
+that what feeds a product is not a kernel of its own (at batch 1 on the H200, the RMSNorm before each input
+projection was two small XLA kernels, a row reduction and a normalise-and-pad, and the MLP's silu(gate) * up a
+third: 159 of a 4B step's 703 kernels, ~0.23 ms of its 3.3, session-6 profile). Measured slower in the engine
+(FUSE_PROLOGUE notes), so off. In the kernel:
 - `norm_weight` (+ `eps`): x := `rms_norm(x, norm_weight, eps)`, the model's zero-centred RMSNorm. Such a product
   is not split over K (each program walks all of K): as it loads each x block it adds the block's squares to
   the row sums and multiplies the block by (1 + w) (fp32, rounded to x's dtype), and after the loop it
   scales each row's sums by rsqrt(mean(x^2) + eps). The reference rounds x * rsqrt(..) * (1 + w) instead of
   x * (1 + w): the operands differ by a rounding (one bf16 step at most), the products by the sum of those.
   (A first version summed the squares in a loop of its own before the product, with the x rows gathered by
-  index: 1.7-2x slower products, engine batch 1 5.47 ms against 3.08; H200, session 7.)
+  index: 1.7-2x slower products, engine batch 1 5.47 ms against 3.08; H200, session 7.) Each step's x is
+  fetched one step ahead (`_kernel`), since Triton does not pipeline a load that is computed on.
 - `glu`: x is [M, 2K], gate then up; x := `silu_mul(gate, up)` (the fused MLP's gate_up output), K = w's K.
 Rows: x keeps its M rows (no padding copy); the kernel's tiles have `rows` (16 or 32) rows, loaded and stored
 with the rows past M masked (contiguous columns, so the loads stay vectorised).

@@ -48,7 +48,8 @@ matmul = linear_ref
 
 class Normed(NamedTuple):
     """Rows an RMSNorm has yet to normalise: the products that read them apply it as their prologue
-    (`kernels.linear`), so at decode the norm is not a kernel of its own. Carries the rows' shape and dtype."""
+    (`kernels.linear`: XLA computes it before the decode product kernel by default, the kernel itself with
+    `FUSE_PROLOGUE`; XLA merges the same norm read by several products). Carries the rows' shape and dtype."""
 
     rows: jax.Array
     weight: jax.Array
@@ -151,8 +152,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def __call__(self, x, linear=matmul):
-        """x: rows or `Normed` rows. Fused, the down product applies silu(gate) * up to the gate/up output as its
-        prologue (`kernels.linear`: one kernel fewer at decode); unfused, XLA does."""
+        """x: rows or `Normed` rows. Fused, silu(gate) * up of the gate/up output is the down product's prologue
+        (`kernels.linear`); unfused, the model computes it."""
         if hasattr(self, "gate_up_proj"):
             gate_up = product(linear, x, self.gate_up_proj.weight[...])
             return linear(gate_up, self.down_proj.weight[...], glu=True)
@@ -369,7 +370,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, h, cache, layer, state, ctx, linear_layer=None):
         """Linear layers read and return their GdnState (and, "in_pool", the slot pool in cache.ssm, their
         index linear_layer of it); the attention layer reads and returns the KV pages (its index: layer)."""
-        x = self.input_layernorm.deferred(h)  # the norms run in the products' prologues (`Normed`)
+        x = self.input_layernorm.deferred(h)  # the norms are the products' prologues (`Normed`)
         if hasattr(self, "linear_attn"):
             out, state, cache = self.linear_attn(x, state, ctx, cache, linear_layer)
         else:
