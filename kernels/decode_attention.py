@@ -94,12 +94,17 @@ def load_kv_block(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head,
     return k_pages_ref[index], v_pages_ref[index]
 
 
+def finite_max(m):
+    """A running max with -inf (rows that saw no visible key) as 0, so that exp(-inf - m) is 0 and never NaN."""
+    return lax.select(m == -jnp.inf, lax.full_like(m, 0.0), m)
+
+
 def online_softmax_step(carry, scores, v, precision):
     """Fold one key block into the running (o [M, D], m [M], l [M]); scores [M, block_k] fp32 with -inf where
     masked. A row that has seen no visible key yet keeps m = -inf, l = 0, o = 0 (no NaN)."""
     o, m, l = carry
     m_next = jnp.maximum(m, scores.max(axis=-1))
-    m_safe = lax.select(m_next == -jnp.inf, lax.full_like(m_next, 0.0), m_next)
+    m_safe = finite_max(m_next)
     correction = jnp.exp(m - m_safe)
     p = jnp.exp(scores - m_safe[:, None])
     l_next = correction * l + p.sum(axis=-1)

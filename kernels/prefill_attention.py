@@ -48,6 +48,7 @@ from qwen35_jax.kernels.decode_attention import (
     attend,
     dot_precision,
     empty_softmax_state,
+    finite_max,
     gather_pages,
     load_kv_block,
     loop_key_blocks,
@@ -160,7 +161,7 @@ def prefill_softmax_step(carry, scores, v, precision, *, scale: float, exp2: boo
 
     def rescale(o, m, l):
         m_next = jnp.maximum(m, block_max)
-        correction = exp(m - _finite_max(m_next))  # 0 for rows with m = -inf: their o and l are 0 anyway
+        correction = exp(m - finite_max(m_next))  # 0 for rows with m = -inf: their o and l are 0 anyway
         return correction[:, None] * o, m_next, correction * l
 
     if rescale_threshold is None:
@@ -169,13 +170,8 @@ def prefill_softmax_step(carry, scores, v, precision, *, scale: float, exp2: boo
         threshold = rescale_threshold if exp2 else rescale_threshold * math.log(2.0)
         grows = (block_max > m + threshold).astype(jnp.int32).max() > 0  # m = -inf: any visible key grows it
         o, m, l = lax.cond(grows, rescale, lambda o, m, l: (o, m, l), o, m, l)
-    p = exp(scores * factor - _finite_max(m)[:, None])  # <= 2^threshold with a stale m
+    p = exp(scores * factor - finite_max(m)[:, None])  # <= 2^threshold with a stale m
     return o + matmul(p.astype(v.dtype), v, precision=precision), m, l + p.sum(axis=-1)
-
-
-def _finite_max(m):
-    """m with -inf (rows that saw no visible key) as 0, so that exp(-inf - m) is 0 and never NaN."""
-    return lax.select(m == -jnp.inf, lax.full_like(m, 0.0), m)
 
 
 def _aligned_kv_loader(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, block_k: int):
@@ -274,8 +270,10 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, layer, page_table, start
     rescales the accumulator only when a row's max grows by more than rescale_threshold (log2 units, a
     factor 2^8 by default), per program (off by default). hoist_index loads the unmasked key blocks with
     page ids and in-page offsets derived from the static block and page sizes (same keys, same result; the
-    default). H200, 8192-token chunk (session 7): exp 1603 us (43.4% of the bf16 roofline), exp2 1527-1537 us
-    (45.5%), exp2 + hoist_index 1503-1511 us (46.2%); lazy_rescale slower in every combination (docs/kernels.md). All three are described in the notes above `prefill_softmax_step`."""
+    default). H200, 8192-token chunk (session 7, `tools/bench_attention.py --sweep --prefill-grid softmax`):
+    exp 1601.8 us (43.5% of the bf16 roofline), exp2 1511.7 us (46.0%), exp2 + hoist_index 1494.6 us (46.6%);
+    lazy_rescale slower in every combination (docs/kernels.md). All three are described in the notes above
+    `prefill_softmax_step`."""
     tile_rows, default_block_k = PREFILL_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
     rows, chunk, heads, dim = q.shape
     kv_heads = k_pages.shape[3]
