@@ -138,6 +138,8 @@ def _projections(module, fused_name: str, widths, x, linear) -> list[jax.Array]:
     bounds = list(itertools.accumulate(widths))[:-1]
     weight = getattr(module, fused_name).weight[...]
     if fused_name in FUSED_QKV and math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
+        if isinstance(x, Normed):  # normalised once for the parts (prefill-sized rows: XLA's products anyway)
+            x = rms_norm(x.rows, x.weight, x.eps)
         return [product(linear, x, part) for part in jnp.split(weight, bounds, axis=0)]
     return jnp.split(product(linear, x, weight), bounds, axis=-1)
 

@@ -86,8 +86,8 @@ def test_prologues_match_exact_product_of_the_reference_prologue(prologue, m, n,
 
 
 def test_prologue_runs_inside_the_kernel():
-    """At 4B decode shapes the norm (rsqrt) and the MLP activation (silu: an exponential) are in the Triton kernel: the
-    lowered program has no such op (silu: exponential) of its own, and one kernel call."""
+    """At 4B decode shapes the norm (rsqrt) and the MLP activation (silu: an exponential) are in the Triton kernel:
+    the lowered program has no such op of its own, and one kernel call."""
     spec, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
     norm = lower_for_h200(lambda x, w, g: linear_pallas(x, w, norm_weight=g, fuse_prologue=True), spec((1, 2560), bf16),
                           spec((12352, 2560), bf16), spec((2560,), bf16)).as_text()  # fmt: skip
