@@ -351,8 +351,9 @@ class Attention(nnx.Module):
             out_d = ctx.mixers.decode_attention(q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1)
         if q_p is not None:
             side = ctx.inputs.prefill
+            (_, k_p), (_, v_p) = ctx.split(k), ctx.split(v)  # the chunk's own keys, as projected (also paged now)
             out_p = ctx.mixers.prefill_attention(
-                q_p, k_pages, v_pages, layer, side.page_table, side.start, side.lengths
+                q_p, k_p, v_p, k_pages, v_pages, layer, side.page_table, side.start, side.lengths
             )
         out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
         out = (out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)

@@ -33,10 +33,12 @@ def test_pallas_set_matches_ref_in_the_model(tiny_model, gdn_state):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_pallas_is_the_gpu_default_and_refused_elsewhere():
+def test_pallas_is_the_gpu_default_and_refused_elsewhere(monkeypatch):
     from qwen35_jax.api import default_kernels
-    from qwen35_jax.kernels import check_selectable
+    from qwen35_jax.kernels import check_selectable, chunk_attention
 
+    # The set also needs tokamax on a GPU (tests/test_kernels_chunk_attention.py); here it is taken as present.
+    monkeypatch.setattr(chunk_attention, "tokamax_attention", lambda: None)
     assert default_kernels("gpu") == "pallas" and default_kernels("cpu") == "ref"
     check_selectable("pallas", "gpu")
     check_selectable("ref", "cpu")
@@ -65,7 +67,10 @@ def test_each_kernel_is_lowered_once_per_program(layer_loop):
     if layer_loop == "unstacked":
         params = jax.eval_shape(unstack_groups, params)
     model_def = dataclasses.replace(model_def, layer_loop=layer_loop, gdn_state="in_pool")
-    runner = Runner(model_def, params, mixers("pallas"), CacheSpec(4, 16, 2), Buckets((4,), (1,), (64,)), 256)
+    # The one-kernel Triton prefill attention: the pallas set's chunk part, tokamax's Mosaic GPU kernel, lowers
+    # only on a real GPU (its prefix pass is the same kind of nested-jit Triton kernel).
+    kernel_set = mixers("pallas+prefill_attention=triton")
+    runner = Runner(model_def, params, kernel_set, CacheSpec(4, 16, 2), Buckets((4,), (1,), (64,)), 256)
     key = (4, 1, 64)
     inputs = runner._abstract_inputs(key)
     text = lower_jitted_for_h200(

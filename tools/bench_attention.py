@@ -34,7 +34,13 @@ library kernels on the same causal problem with contiguous, unpaged q/k/v [rows,
 Mosaic GPU flash attention for Hopper (`jax.experimental.pallas.ops.gpu.attention_mgpu`: TMA, wgmma, a
 producer warpgroup; GQA native) and JAX's Triton flash attention (`...ops.gpu.attention.mha`; K/V repeated to
 every query head, since it has no GQA). They cannot read pages or start after a prefix, so they bound what
-a kernel built on their schedule would reach, rather than being drop-in replacements.
+a kernel built on their schedule would reach, rather than being drop-in replacements. When tokamax is importable
+(session 8) its Mosaic GPU sm90 kernel (two consumer warpgroups and a TMA producer, FA3's schedule; GQA native;
+`TOKAMAX_SWEEP`) and its Triton kernel are timed the same way.
+
+Every prefill case also has a `split` row (session 8): the engine's prefill attention, the chunk part on
+tokamax's kernel and the paged prefix in a Triton pass (`kernels/chunk_attention.py`); the plain row is the
+one-kernel Triton version.
 """
 
 from __future__ import annotations
@@ -198,10 +204,60 @@ def bench_case(kind: str, case: dict, shape: dict, args, configs: list[dict]) ->
                          bytes=work[0], flops=work[1], roofline_us=roof * 1e6,
                          roofline_pct=100 * roof / kernel_s, speedup=ref_s / kernel_s,
                          options=kernel_options(kernel, options)))  # fmt: skip
+    if kind == "prefill":
+        rows.append(split_row(case, args, operands, timing, work, ref_s))
     return rows
 
 
+def split_row(case: dict, args, operands, timing: dict, work, ref_s: float) -> dict:
+    """The engine's prefill attention since session 8 (`kernels/chunk_attention.py`): the chunk part on tokamax's
+    Mosaic GPU kernel over the chunk's own k, v (random here: the timing does not depend on them), then the prefix
+    pass over the pages, timed as the one-kernel rows."""
+    import jax.numpy as jnp
+
+    from qwen35_jax.kernels.chunk_attention import prefill_attention_pallas
+
+    q, k_pages = operands[0], operands[1]
+    rng = np.random.default_rng(1)
+    chunk_kv = [jnp.asarray(rng.standard_normal((*q.shape[:2], *k_pages.shape[3:]), np.float32), q.dtype)
+                for _ in range(2)]  # fmt: skip
+
+    def op(q, k_pages, v_pages, layer, table, start, lengths, k, v):
+        return prefill_attention_pallas(q, k, v, k_pages, v_pages, layer, table, start, lengths,
+                                        interpret=args.interpret)  # fmt: skip
+
+    config = dict(impl="split")
+    try:
+        seconds = seconds_per_call(op, (*operands, *chunk_kv), **timing)
+    except Exception as error:
+        return dict(kind="prefill", **case, config=config, error=f"{type(error).__name__}: {error}"[:300])
+    roof = roofline_seconds(*work)
+    return dict(kind="prefill", **case, config=config, kernel_us=seconds * 1e6, ref_us=ref_s * 1e6, bytes=work[0],
+                flops=work[1], roofline_us=roof * 1e6, roofline_pct=100 * roof / seconds, speedup=ref_s / seconds)  # fmt: skip
+
+
 MGPU_SWEEP = [dict(block_q=64, block_kv=bk, max_concurrent_steps=s) for bk, s in ((64, 2), (64, 3), (128, 2))]
+# tokamax's Mosaic GPU (sm90) flash attention: block_q rows per compute warpgroup (two of them), block_kv keys a TMA
+# stage; at head_dim 256 the q tile and two stages of K and V fill ~192 KiB of shared memory at block_kv 64.
+TOKAMAX_SWEEP = [dict(block_q=bq, block_kv=bk, num_stages=s) for bq, bk, s in ((64, 64, 2), (64, 64, 3), (64, 128, 2))]
+
+
+def tokamax_candidates(dim: int) -> list[tuple]:
+    """(name, config, op) for tokamax's Mosaic GPU and Triton flash attention, or none when tokamax is absent."""
+    try:
+        from tokamax._src.ops.attention import pallas_mosaic_gpu, pallas_triton
+    except ImportError as error:
+        print(f"tokamax not importable ({error}); its baselines are skipped")
+        return []
+
+    def mosaic(config):
+        attention = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention(config=pallas_mosaic_gpu.ConfigSM90(**config))
+        return lambda q, k, v: attention(q, k, v, is_causal=True)
+
+    triton = pallas_triton.PallasTritonFlashAttention()
+    return [("tokamax_mosaic", c, mosaic(c)) for c in TOKAMAX_SWEEP] + [
+        ("tokamax_triton", {}, lambda q, k, v: triton(q, k, v, is_causal=True))
+    ]
 
 
 def dense_baseline_rows(case: dict, shape: dict, args) -> list[dict]:
@@ -222,6 +278,7 @@ def dense_baseline_rows(case: dict, shape: dict, args) -> list[dict]:
     group = heads // kv_heads
     candidates.append(("triton_mha", {}, lambda q, k, v: triton_attention.mha(
         q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2), None, sm_scale=dim**-0.5, causal=True)))  # fmt: skip
+    candidates += tokamax_candidates(dim)
     out = []
     for name, config, op in candidates:
 
