@@ -75,13 +75,15 @@ def chunk_attention_ref(q, k, v):
     q's dtype, lse [P, T, H] fp32, natural log of the softmax's sum under the scaled scores)."""
     rows, chunk, heads, dim = q.shape
     kv_heads = k.shape[2]
+    # fp32: IEEE products, as the Triton kernels' (XLA would take TF32 for fp32 dots on the GPU by default).
+    dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32, precision=dot_precision(q.dtype))
     qg = q.reshape(rows, chunk, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("rqkgd,rskd->rkgqs", qg, k, preferred_element_type=jnp.float32) * dim**-0.5
+    scores = dot("rqkgd,rskd->rkgqs", qg, k) * dim**-0.5
     causal = jnp.arange(chunk)[:, None] >= jnp.arange(chunk)[None, :]
     scores = jnp.where(causal, scores, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1)  # [P, KV, G, T]
     probs = jnp.exp(scores - lse[..., None]).astype(q.dtype)
-    out = jnp.einsum("rkgqs,rskd->rqkgd", probs, v, preferred_element_type=jnp.float32)
+    out = dot("rkgqs,rskd->rqkgd", probs, v)
     return out.reshape(q.shape).astype(q.dtype), lse.transpose(0, 3, 1, 2).reshape(rows, chunk, heads)
 
 
