@@ -61,6 +61,7 @@ from qwen35_jax.kernels.decode_attention import (
 )
 from qwen35_jax.kernels.prefill_attention import (
     LOG2_E,
+    PREFILL_TUNING,
     _aligned_kv_loader,
     paged_prefill_attention_pallas,
     prefill_softmax_step,
@@ -169,16 +170,19 @@ def _prefix_kernel(layer_ref, start_ref, page_table_ref, q_ref, lse_ref, o_chunk
 
 
 def prefix_merge_pallas(q, o_chunk, lse_chunk, k_pages, v_pages, layer, page_table, start, *, interpret=False,
-                        block_q: int | None = None, block_k: int = 64, num_warps: int = 8, num_stages: int = 2,
-                        exp2: bool = True, hoist_index: bool = True):  # fmt: skip
+                        block_q: int | None = None, block_k: int | None = None, num_warps: int = 8,
+                        num_stages: int = 2, exp2: bool = True, hoist_index: bool = True):  # fmt: skip
     """Fold the paged prefix (positions < start[p]) into the chunk part (o_chunk [P, T, H, D], lse_chunk
-    [P, T, H] fp32), in place where the shapes need no padding. Tiles as `paged_prefill_attention_pallas`
-    (block_q defaults to 128 tile rows / the padded group)."""
+    [P, T, H] fp32), in place where the shapes need no padding. Tiles as `paged_prefill_attention_pallas`:
+    None takes PREFILL_TUNING's tile rows and block_k for q's dtype (fp32 needs its smaller tiles: at bf16's 128
+    rows x block_k 64 an fp32 program asks for 288 KiB of shared memory, over the H200's 227 KiB)."""
+    tile_rows, default_block_k = PREFILL_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
     rows, chunk, heads, dim = q.shape
     kv_heads = k_pages.shape[3]
     group = heads // kv_heads
     group_padded = pl.next_power_of_2(group)
-    block_q = max(block_q or 128 // group_padded, pl.cdiv(16, group_padded))
+    block_q = max(block_q or tile_rows // group_padded, pl.cdiv(16, group_padded))
+    block_k = block_k or default_block_k
     chunk_padded = pl.cdiv(chunk, block_q) * block_q
     tiled = (rows, chunk_padded, kv_heads, group_padded)
 

@@ -18,6 +18,8 @@ Tolerances are the attention tests' (`TOL`), and why they hold here:
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,6 +206,19 @@ def test_prefix_pass_lowers_for_h200_in_place():
                              spec((), jnp.int32), spec((1, 512), jnp.int32), spec((1,), jnp.int32))  # fmt: skip
     text = lowered.as_text()
     assert "output_operand_aliases" in text and "stablehlo.pad" not in text
+    assert re.findall(r"grid_[xyz] = (\d+)", text) == ["1", "4", "256"]
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_fp32_prefix_pass_takes_the_fp32_tiles():
+    """fp32 takes PREFILL_TUNING's fp32 tiles (32 rows: query blocks of 8 for group 4), as the one-kernel version:
+    at bf16's 128-row tiles the H200 refused the fp32 program (288 KiB of shared memory; session 8's GPU run)."""
+    spec = jax.ShapeDtypeStruct
+    pages = spec((2, 64, 16, 4, 256), jnp.float32)
+    q = spec((1, 512, 16, 256), jnp.float32)
+    lowered = lower_for_h200(prefix_merge_pallas, q, q, spec((1, 512, 16), jnp.float32), pages, pages,
+                             spec((), jnp.int32), spec((1, 32), jnp.int32), spec((1,), jnp.int32))  # fmt: skip
+    assert re.findall(r"grid_[xyz] = (\d+)", lowered.as_text()) == ["1", "4", "64"]
 
 
 # ---- GPU, 4B shapes ----------------------------------------------------------------------------------------
