@@ -430,18 +430,29 @@ def test_gpu_decode_4b(batch, page_size):
     check_close(out, gpu_ref(paged_decode_attention_ref, args), jnp.bfloat16)
 
 
+# The 4B GPU prefill cases: a long chunk fresh and after a 1000-token prefix, a short one after 3000 and 7 tokens.
+GPU_PREFILL_CASES = pytest.mark.parametrize("chunk, starts", [(512, [0, 1000]), (16, [3000, 7])],
+                                            ids=["long-chunk", "short-chunk"])  # fmt: skip
+
+
+def gpu_prefill_case(rng, dtype, chunk, starts):
+    """(args, lengths): two rows of `chunk` and chunk - 3 valid tokens after `starts`, then a padding row; 4B heads,
+    pages of 16, a table 4096 tokens wide."""
+    lengths = [chunk, chunk - 3, 0]
+    args = prefill_case(rng, starts + [0], lengths, chunk, heads=16, kv_heads=4, dim=256, page_size=16, dtype=dtype,
+                        width=4096 // 16)  # fmt: skip
+    return args, lengths
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk, starts", [(512, [0, 1000]), (16, [3000, 7])], ids=["long-chunk", "short-chunk"])
+@GPU_PREFILL_CASES
 def test_gpu_prefill_4b(dtype, chunk, starts):
-    rng = np.random.default_rng(chunk)
-    lengths = [chunk, chunk - 3]
-    args = prefill_case(rng, starts + [0], lengths + [0], chunk, heads=16, kv_heads=4, dim=256, page_size=16,
-                        dtype=dtype, width=4096 // 16)  # fmt: skip
+    args, lengths = gpu_prefill_case(np.random.default_rng(chunk), dtype, chunk, starts)
     ref = gpu_ref(paged_prefill_attention_ref, args)
     for options in ({}, dict(exp2=False), dict(lazy_rescale=True), dict(hoist_index=False)):
         out = jax.jit(functools.partial(paged_prefill_attention_pallas, **options))(*args)
-        compare_prefill(out, ref, lengths + [0], dtype)
+        compare_prefill(out, ref, lengths, dtype)
 
 
 @pytest.mark.gpu

@@ -25,7 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _lowering import lower_for_h200
-from test_kernels_attention import DTYPES, LAYER, TOL, compare_prefill, gpu_ref, poison, prefill_case
+from test_kernels_attention import (
+    DTYPES,
+    GPU_PREFILL_CASES,
+    LAYER,
+    TOL,
+    compare_prefill,
+    gpu_prefill_case,
+    gpu_ref,
+    poison,
+    prefill_case,
+)
 
 from qwen35_jax import kernels
 from qwen35_jax.kernels import chunk_attention
@@ -226,15 +236,14 @@ def test_fp32_prefix_pass_takes_the_fp32_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk, starts", [(512, [0, 1000]), (16, [3000, 7])], ids=["long-chunk", "short-chunk"])
+@GPU_PREFILL_CASES
 def test_gpu_split_prefill_4b(dtype, chunk, starts):
     """bf16: the chunk part on tokamax's Mosaic GPU kernel; fp32: on chunk_attention_ref (see the module)."""
     rng = np.random.default_rng(chunk)
-    lengths = [chunk, chunk - 3]
-    args = with_chunk_kv(rng, prefill_case(rng, starts + [0], lengths + [0], chunk, heads=16, kv_heads=4, dim=256,
-                                           page_size=16, dtype=dtype, width=4096 // 16))  # fmt: skip
+    args, lengths = gpu_prefill_case(rng, dtype, chunk, starts)
+    args = with_chunk_kv(rng, args)
     out = jax.jit(prefill_attention_pallas)(*args)
-    compare_prefill(out, gpu_ref(lambda *a: paged_only(a), args), lengths + [0], dtype)
+    compare_prefill(out, gpu_ref(lambda *a: paged_only(a), args), lengths, dtype)
 
 
 @pytest.mark.gpu

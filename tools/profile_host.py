@@ -39,16 +39,17 @@ def main(argv=None) -> None:
 
     cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=args.layers, layer_types=(), name=f"tiny{args.layers}")
     model = LoadedModel(cfg, random_params(cfg, jnp.float32, 0), jnp.float32, None, "ref")
-    config = EngineConfig(max_batch=args.batch, max_prefill_tokens=64, max_model_len=args.steps + 128,
+    warmup = 2 * args.batch + 10  # steps until every prompt is in and every row decodes
+    max_tokens = warmup + args.steps + 8  # no row finishes inside the profiled steps, whatever the batch
+    config = EngineConfig(max_batch=args.batch, max_prefill_tokens=64, max_model_len=40 + args.batch + max_tokens,
                           layer_loop=args.layer_loop, fused_qkv=args.fused_qkv == "on")  # fmt: skip
     engine = build_engine(model, config)
     print(f"{len(engine.runner._param_leaves)} weight arrays passed to every step program")
     for row in range(args.batch):
-        engine.submit(
-            list(range(3 + row, 40 + row)), GenerationParams(args.steps + 40, ignore_eos=True), lambda o: None
-        )
-    for _ in range(2 * args.batch + 10):  # prompts in, every row decoding
+        engine.submit(list(range(3 + row, 40 + row)), GenerationParams(max_tokens, ignore_eos=True), lambda o: None)
+    for _ in range(warmup):
         engine.step()
+    print(f"profiling {args.steps} steps at batch {args.batch} (rows running: {engine.scheduler.num_running})")
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()
