@@ -106,8 +106,8 @@ def tokamax_attention():
 def chunk_attention_tokamax(q, k, v):
     """`chunk_attention_ref` on tokamax's Mosaic GPU flash kernel (Hopper; 2-byte dtypes)."""
     out, (m, l) = tokamax_attention()(q, k, v, is_causal=True, return_residuals=True)
-    lse = m + jnp.log(l)  # m: the running max of the scaled scores (natural units), l: the sum under it
-    return out, lse.swapaxes(-1, -2)  # [P, H, T] -> [P, T, H]
+    lse = m + lax.log(l)  # m: the running max of the scaled scores (natural units), l: the sum under it
+    return out, lax.transpose(lse, (0, 2, 1))  # [P, H, T] -> [P, T, H]
 
 
 def prefill_attention_ref(q, k, v, k_pages, v_pages, layer, page_table, start, lengths):
