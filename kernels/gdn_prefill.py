@@ -469,12 +469,12 @@ OUTPUT_NUM_WARPS = 4
 
 
 def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, dots: str, interpret: bool,
-                   num_warps: int = OUTPUT_NUM_WARPS):  # fmt: skip
+                   num_warps: int = OUTPUT_NUM_WARPS, block_v: int = OUTPUT_BLOCK_V):  # fmt: skip
     """The parallel output pass: one program per (row, value head, chunk, dv slice); returns o [P, T, nv, dv]."""
     num_rows, num_heads, seq, dv = v_new.shape
     dk = q.shape[-1]
     ratio = num_heads // q.shape[2]
-    block_v = min(OUTPUT_BLOCK_V, dv)
+    block_v = min(block_v, dv)
     chunk_rows = pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, h // ratio, 0))
     return pl.pallas_call(
         functools.partial(_chunk_output_kernel, dots=dots, scale=dk**-0.5),
@@ -529,6 +529,7 @@ def gdn_chunked_prefill_pallas(
     output_pass="parallel",
     prep_warps=None,
     output_warps=None,
+    output_block_v=None,
     dots=None,
     solve=None,
 ):
@@ -543,6 +544,9 @@ def gdn_chunked_prefill_pallas(
     software-pipelining depth of its chunk loop); None picks defaults (num_stages 2). prep_warps / output_warps: warps of
     the WY kernel (default DEFAULT_PREP_WARPS) and of the parallel output kernel (default OUTPUT_NUM_WARPS), for tuning sweeps; fla
     autotunes warps and stages of every one of its kernels per shape, these are fixed until measured.
+    output_block_v: the output kernel's dv slice (default OUTPUT_BLOCK_V). A slice as wide as dv reads q and k and
+    computes Q K^T once per (chunk, head) instead of once per slice, at fewer, larger programs (not measured yet:
+    the A/B is `tools/bench_gdn_prefill.py --output-block-v 64 128 --output-warps 4 8`).
     dots: the matmul operand precision for bf16 inputs (fp32 inputs always take "ieee"): "bf16" rounds every operand
     (W, U, chunk states, V', normalised q/k) to bf16, as flash-linear-attention does; "tf32" keeps them fp32 (W and
     the products `_coarse` names excepted) and multiplies in TF32, for an output error about 8x smaller against the
@@ -585,5 +589,5 @@ def gdn_chunked_prefill_pallas(
     else:
         states, v_new, state = _chunk_states(k, w, u, gamma, state, lengths, tiling, dots, interpret)
         out = _chunk_outputs(q, k, gamma, states, v_new, lengths, v.dtype, dots, interpret,
-                             output_warps or OUTPUT_NUM_WARPS)  # fmt: skip
+                             output_warps or OUTPUT_NUM_WARPS, output_block_v or OUTPUT_BLOCK_V)  # fmt: skip
     return out[:, :seq], state

@@ -18,6 +18,7 @@ states stored, output in a third, parallel pallas_call), against the same tolera
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import jax
@@ -177,6 +178,21 @@ def test_state_carries_across_calls(output_pass):
         assert relative_error(out_full[p, : int(lengths[p])], out_rec[p, : int(lengths[p])]) <= 2e-5
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_full_width_output_slices_match_the_default(dtype):
+    """output_block_v = dv (one output program per chunk and head) against the reference within the usual
+    tolerances, and against the default 64-wide slices: each output column is the same sum in both (a slice only
+    chooses which columns a program writes), so they agree to summation order (1e-6 relative)."""
+    inputs = make_inputs(2, 3, 144, 2, 4, 128, 128, jnp.dtype(dtype))
+    lengths = jnp.array([144, 77, 1], jnp.int32)
+    run = functools.partial(gdn_chunked_prefill_pallas, interpret=True, output_pass="parallel")
+    out, state = jax.jit(functools.partial(run, output_block_v=128))(*inputs, lengths)
+    out_ref, state_ref = reference(*inputs, lengths)
+    assert_matches(out, state, out_ref, state_ref, lengths, dtype)
+    out_default, _ = jax.jit(run)(*inputs, lengths)
+    assert relative_error(np.asarray(out, np.float32), np.asarray(out_default, np.float32)) <= 1e-6
+
+
 @pytest.mark.parametrize("solve", ["rows", "doubling"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_doubling_solve_matches_reference_on_ragged_rows(dtype, solve):
@@ -236,6 +252,25 @@ def test_lowers_to_triton_for_h200(dtype, block_v, output_pass, num_calls, solve
         warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's deprecation notice
         module = lower_for_h200(kernel, *args).as_text()
     assert module.count("__gpu$xla.gpu.triton") == num_calls
+
+
+@pytest.mark.parametrize("output_block_v, output_warps, slices", [(None, None, "2"), (128, 8, "1")])
+def test_output_slices_lower_for_h200(output_block_v, output_warps, slices):
+    """The output kernel's grid at 4B heads, (rows x value heads, chunks, dv slices) as Triton gets it: two 64-wide
+    slices by default, one full-width slice with output_block_v=128 (in 8 warps: 4 spill at that width, ptxas)."""
+    rows, seq, dtype = 2, 80, jnp.bfloat16
+    shapes = [(rows, seq, 16, 128), (rows, seq, 16, 128), (rows, seq, 32, 128), (rows, seq, 32), (rows, seq, 32)]
+    args = [
+        jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(shapes, [dtype] * 3 + [jnp.float32, dtype], strict=True)
+    ]
+    args += [jax.ShapeDtypeStruct((rows, 32, 128, 128), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32)]
+    kernel = functools.partial(gdn_chunked_prefill_pallas, output_pass="parallel", output_block_v=output_block_v,
+                               output_warps=output_warps)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = lower_for_h200(kernel, *args).as_text()
+    grids = re.findall(r"grid_[xyz] = (\d+)", text)
+    assert grids[-3:] == ["64", "2", slices]  # the output kernel is the last of the three
 
 
 def test_rejects_tile_unfriendly_head_sizes():

@@ -151,11 +151,11 @@ def bench_case(args, rows: int, tokens: int) -> dict:
     result["ref_ms"] = 1e3 * timing(jax.jit(gdn_chunked_prefill_ref), inputs)
     out_ref, _ = jax.jit(gdn_chunked_prefill_ref)(*inputs)
     configs = itertools.product(args.output_pass, args.block_v, args.num_warps, args.num_stages, args.prep_warps,
-                                args.output_warps, args.dots, args.solve)  # fmt: skip
-    for output_pass, block_v, num_warps, num_stages, prep_warps, output_warps, dots, solve in configs:
+                                args.output_warps, args.output_block_v, args.dots, args.solve)  # fmt: skip
+    for output_pass, block_v, num_warps, num_stages, prep_warps, output_warps, output_block_v, dots, solve in configs:
         tiling = {"block_v": block_v, "num_warps": num_warps or None, "num_stages": num_stages or None,
                   "output_pass": output_pass, "prep_warps": prep_warps or None, "output_warps": output_warps or None,
-                  "dots": dots, "solve": solve}  # fmt: skip
+                  "output_block_v": output_block_v or None, "dots": dots, "solve": solve}  # fmt: skip
         kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, **tiling))
         seconds = timing(kernel, inputs)
         out, _ = kernel(*inputs)
@@ -169,6 +169,7 @@ def bench_case(args, rows: int, tokens: int) -> dict:
         stages = kernel_stages(kernel, inputs, args.iters, args.profile) if args.profile else None
         name = f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"
         extra = {"num_stages": num_stages, "prep_warps": prep_warps, "output_warps": output_warps,
+                 "output_block_v": output_block_v,
                  "dots": dots if dots != "bf16" else 0, "solve": solve if solve != "rows" else 0}  # fmt: skip
         result[name + "".join(f" {k}={v}" for k, v in extra.items() if v)] = {
             "kernel_ms_per_call": stages,
@@ -233,6 +234,8 @@ def main() -> None:
     parser.add_argument("--num-stages", type=int, nargs="+", default=[0], help="of the sequential pass; 0: default")
     parser.add_argument("--prep-warps", type=int, nargs="+", default=[0], help="of the WY kernel; 0: default")
     parser.add_argument("--output-warps", type=int, nargs="+", default=[0], help="of the output kernel; 0: default")
+    parser.add_argument("--output-block-v", type=int, nargs="+", default=[0],
+                        help="dv slice of the output kernel; 0: default (64)")  # fmt: skip
     parser.add_argument(
         "--output-pass", nargs="+", default=["parallel"], choices=["fused", "parallel"],
         help="output inside the sequential pass (fused) or in a parallel third pallas_call (parallel)",
