@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from qwen35_jax.kernels.decode_attention import pad_to
+
 CHUNK = 64
 
 
@@ -576,10 +578,11 @@ def gdn_chunked_prefill_pallas(
         raise ValueError(f"solve={solve!r}: one of {tuple(SOLVES)}")
     block_v = block_v or _default_block_v(num_rows, num_heads, dv)
     tiling = (block_v, num_warps or _default_num_warps(block_v, output_pass), num_stages or 2)
-    pad = (-seq) % CHUNK
-    if pad:
-        q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, seq)
+    # lax primitives only around the pallas_calls: the stream regions of DESIGN section 6 refuse nested jits
+    # (jnp.pad, jnp.clip are jitted).
+    padded = seq + (-seq) % CHUNK
+    q, k, v, g, beta = (pad_to(x, (x.shape[0], padded, *x.shape[2:])) for x in (q, k, v, g, beta))
+    lengths = lax.clamp(0, lengths.astype(jnp.int32), seq)
     w, u, gamma = _wy_prep(
         k, v, g.astype(jnp.float32), beta, lengths, dots, interpret, prep_warps or DEFAULT_PREP_WARPS, solve
     )

@@ -273,6 +273,20 @@ def test_output_slices_lower_for_h200(output_block_v, output_warps, slices):
     assert grids[-3:] == ["64", "2", slices]  # the output kernel is the last of the three
 
 
+@pytest.mark.parametrize("seq", [16, 64])
+def test_wrapper_holds_no_nested_jit(seq):
+    """lax primitives only around the pallas_calls, the token padding of a short chunk (16) included: the model will
+    call the kernel inside stream-annotated regions (DESIGN section 6), where a nested jit fails at run time."""
+    spec = jax.ShapeDtypeStruct
+    shapes = [(2, seq, 2, 32), (2, seq, 2, 32), (2, seq, 4, 32), (2, seq, 4), (2, seq, 4)]
+    dtypes = [jnp.bfloat16] * 3 + [jnp.float32, jnp.bfloat16]
+    args = [spec(shape, dt) for shape, dt in zip(shapes, dtypes, strict=True)]
+    args += [spec((2, 4, 32, 32), jnp.float32), spec((2,), jnp.int32)]
+    jaxpr = jax.make_jaxpr(lambda *a: gdn_chunked_prefill_pallas(*a, interpret=True, output_pass="parallel"))(*args)
+    names = [eqn.primitive.name for eqn in jaxpr.eqns]
+    assert "pallas_call" in names and not {"jit", "pjit", "closed_call"} & set(names), names
+
+
 def test_rejects_tile_unfriendly_head_sizes():
     inputs = make_inputs(3, 1, 64, 1, 1, 24, 16, jnp.float32)
     with pytest.raises(AssertionError, match="powers of two"):
