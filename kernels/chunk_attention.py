@@ -53,18 +53,16 @@ from qwen35_jax.kernels.decode_attention import (
     attend,
     dot_precision,
     gather_pages,
-    load_kv_block,
     loop_key_blocks,
-    matmul,
     normalise,
     pad_to,
 )
 from qwen35_jax.kernels.prefill_attention import (
     LOG2_E,
-    PREFILL_TUNING,
-    _aligned_kv_loader,
+    key_block_step,
     paged_prefill_attention_pallas,
     prefill_softmax_step,
+    prefill_tiles,
 )
 
 # tokamax's sm90 kernel config: block_q is per consumer warpgroup (two of them: 128 query rows a CTA).
@@ -142,29 +140,16 @@ def _prefix_kernel(layer_ref, start_ref, page_table_ref, q_ref, lse_ref, o_chunk
     def _():
         block_q, group, dim = q_ref.shape
         q = q_ref[...].reshape(block_q * group, dim)
-        precision = dot_precision(q.dtype)
         lse = lse_ref[...].reshape(block_q * group)
         carry = (
             o_chunk_ref[...].reshape(block_q * group, dim).astype(jnp.float32),  # o_ref's buffer (aliased)
             lse * LOG2_E if exp2 else lse,
             jnp.ones_like(lse),
         )
-        load_aligned = (_aligned_kv_loader(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, block_k)
-                        if hoist_index else None)  # fmt: skip
         softmax_step = functools.partial(prefill_softmax_step, scale=dim**-0.5, exp2=exp2)
-
-        def step(block, carry, masked):
-            positions = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            if load_aligned is not None and not masked:
-                k, v = load_aligned(block)
-            else:  # lanes at or past start re-read its last key and are masked out below
-                k, v = load_kv_block(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head,
-                                     jnp.minimum(positions, start - 1))  # fmt: skip
-            scores = matmul(q, k, transpose_b=True, precision=precision)
-            if masked:
-                scores = jnp.where((positions < start)[None, :], scores, -jnp.inf)
-            return softmax_step(carry, scores, v, precision)
-
+        step = key_block_step(q, k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, block_k=block_k,
+                              hoist_index=hoist_index, softmax_step=softmax_step, key_end=start,
+                              visible=lambda positions: (positions < start)[None, :])  # fmt: skip
         o, _, l = loop_key_blocks(carry, 0, pl.cdiv(start, block_k), lax.div(start, block_k), step)
         o_ref[...] = normalise(o, l).reshape(block_q, group, dim).astype(o_ref.dtype)
 
@@ -176,13 +161,10 @@ def prefix_merge_pallas(q, o_chunk, lse_chunk, k_pages, v_pages, layer, page_tab
     [P, T, H] fp32), in place where the shapes need no padding. Tiles as `paged_prefill_attention_pallas`:
     None takes PREFILL_TUNING's tile rows and block_k for q's dtype (fp32 needs its smaller tiles: at bf16's 128
     rows x block_k 64 an fp32 program asks for 288 KiB of shared memory, over the H200's 227 KiB)."""
-    tile_rows, default_block_k = PREFILL_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
     rows, chunk, heads, dim = q.shape
     kv_heads = k_pages.shape[3]
     group = heads // kv_heads
-    group_padded = pl.next_power_of_2(group)
-    block_q = max(block_q or tile_rows // group_padded, pl.cdiv(16, group_padded))
-    block_k = block_k or default_block_k
+    group_padded, block_q, block_k = prefill_tiles(q.dtype, group, block_q, block_k)
     chunk_padded = pl.cdiv(chunk, block_q) * block_q
     tiled = (rows, chunk_padded, kv_heads, group_padded)
 

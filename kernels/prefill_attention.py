@@ -207,6 +207,41 @@ def _aligned_kv_loader(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_
     return load
 
 
+def key_block_step(q, k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, *, block_k: int,
+                   hoist_index: bool, softmax_step, key_end, visible):  # fmt: skip
+    """step(block, carry, masked) for `loop_key_blocks`: the tile q [M, D] against key block `block` of a row's
+    pages, folded into the softmax state by softmax_step. Unmasked blocks hold only visible cached keys (read
+    through `_aligned_kv_loader` with hoist_index); in a masked block, lanes at or past key_end re-read its last
+    key, and scores where visible(positions) [M or 1, block_k] is False become -inf. Shared by the one-kernel
+    version and the prefix pass of `chunk_attention`."""
+    precision = dot_precision(q.dtype)
+    load_aligned = (_aligned_kv_loader(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, block_k)
+                    if hoist_index else None)  # fmt: skip
+
+    def step(block, carry, masked):
+        positions = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        if load_aligned is not None and not masked:
+            k, v = load_aligned(block)
+        else:
+            lanes = jnp.minimum(positions, key_end - 1) if masked else positions
+            k, v = load_kv_block(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, lanes)
+        scores = matmul(q, k, transpose_b=True, precision=precision)  # [M, block_k], unscaled
+        if masked:
+            scores = jnp.where(visible(positions), scores, -jnp.inf)
+        return softmax_step(carry, scores, v, precision)
+
+    return step
+
+
+def prefill_tiles(dtype, group: int, block_q: int | None, block_k: int | None) -> tuple[int, int, int]:
+    """(padded group, block_q, block_k) of a prefill tile for q's dtype: None takes PREFILL_TUNING's tile rows and
+    block_k. The group is padded to a power of two (Triton tensors), and a tile keeps >= 16 rows (a dot's minimum)."""
+    tile_rows, default_block_k = PREFILL_TUNING[min(jnp.dtype(dtype).itemsize, 4)]
+    group_padded = pl.next_power_of_2(group)
+    block_q = max(block_q or tile_rows // group_padded, pl.cdiv(16, group_padded))
+    return group_padded, block_q, block_k or default_block_k
+
+
 def _prefill_kernel(layer_ref, start_ref, lengths_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
                     *, block_k: int, num_q_blocks: int, heavy_first: bool, hoist_index: bool,
                     softmax_step):  # fmt: skip
@@ -215,7 +250,6 @@ def _prefill_kernel(layer_ref, start_ref, lengths_ref, page_table_ref, q_ref, k_
     block_q, group, dim = q_ref.shape
     start, length, layer = start_ref[row], lengths_ref[row], layer_ref[0]
     q = q_ref[...].reshape(block_q * group, dim)  # tile row r: query r // group, head r % group
-    precision = dot_precision(q.dtype)
     first_query = q_block * block_q
     block_end = start + jnp.minimum(first_query + block_q, length)  # one past the last key this block sees
     chunk_end = start + length
@@ -223,22 +257,9 @@ def _prefill_kernel(layer_ref, start_ref, lengths_ref, page_table_ref, q_ref, k_
     frontier = jnp.minimum(start + first_query + lax.div(jnp.arange(block_q * group, dtype=jnp.int32), group),
                            chunk_end - 1)  # fmt: skip
 
-    load_aligned = (_aligned_kv_loader(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, block_k)
-                    if hoist_index else None)  # fmt: skip
-
-    def step(block, carry, masked):
-        if load_aligned is not None and not masked:
-            k, v = load_aligned(block)
-        else:
-            positions = block * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            if masked:  # lanes past block_end re-read its last key and are masked out below
-                positions = jnp.minimum(positions, block_end - 1)
-            k, v = load_kv_block(k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, positions)
-        scores = matmul(q, k, transpose_b=True, precision=precision)  # [block_q * group, block_k], unscaled
-        if masked:
-            visible = (block * block_k + jnp.arange(block_k))[None, :] <= frontier[:, None]
-            scores = jnp.where(visible, scores, -jnp.inf)
-        return softmax_step(carry, scores, v, precision)
+    step = key_block_step(q, k_pages_ref, v_pages_ref, layer, page_table_ref, row, kv_head, block_k=block_k,
+                          hoist_index=hoist_index, softmax_step=softmax_step, key_end=block_end,
+                          visible=lambda positions: positions[None, :] <= frontier[:, None])  # fmt: skip
 
     num_blocks = jnp.where(first_query < length, pl.cdiv(block_end, block_k), 0)
     # Keys at or before the block's first query position are visible to every tile row.
@@ -276,13 +297,10 @@ def paged_prefill_attention_pallas(q, k_pages, v_pages, layer, page_table, start
     exp 1601.8 us (43.5% of the bf16 roofline), exp2 1511.7 us (46.0%), exp2 + hoist_index 1494.6 us (46.6%);
     lazy_rescale slower in every combination (docs/kernels.md). All three are described in the notes above
     `prefill_softmax_step`."""
-    tile_rows, default_block_k = PREFILL_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
     rows, chunk, heads, dim = q.shape
     kv_heads = k_pages.shape[3]
     group = heads // kv_heads
-    group_padded = pl.next_power_of_2(group)  # Triton tensors have power-of-two sizes
-    block_q = max(block_q or tile_rows // group_padded, pl.cdiv(16, group_padded))  # a dot needs >= 16 rows
-    block_k = block_k or default_block_k
+    group_padded, block_q, block_k = prefill_tiles(q.dtype, group, block_q, block_k)
     chunk_padded = pl.cdiv(chunk, block_q) * block_q
     qg = pad_to(q.reshape(rows, chunk, kv_heads, group, dim), (rows, chunk_padded, kv_heads, group_padded, dim))
     num_q_blocks = chunk_padded // block_q
