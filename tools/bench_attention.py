@@ -199,11 +199,7 @@ def bench_case(kind: str, case: dict, shape: dict, args, configs: list[dict]) ->
             rows.append(dict(kind=kind, **case, config=config, error=f"{type(error).__name__}: {error}"[:200],
                              options=kernel_options(kernel, options)))  # fmt: skip
             continue
-        roof = roofline_seconds(*work)
-        rows.append(dict(kind=kind, **case, config=config, kernel_us=kernel_s * 1e6, ref_us=ref_s * 1e6,
-                         bytes=work[0], flops=work[1], roofline_us=roof * 1e6,
-                         roofline_pct=100 * roof / kernel_s, speedup=ref_s / kernel_s,
-                         options=kernel_options(kernel, options)))  # fmt: skip
+        rows.append(timed_row(kind, case, config, kernel_s, work, ref_s, options=kernel_options(kernel, options)))
     if kind == "prefill":
         rows.append(split_row(case, args, operands, timing, work, ref_s))
     return rows
@@ -231,9 +227,18 @@ def split_row(case: dict, args, operands, timing: dict, work, ref_s: float) -> d
         seconds = seconds_per_call(op, (*operands, *chunk_kv), **timing)
     except Exception as error:
         return dict(kind="prefill", **case, config=config, error=f"{type(error).__name__}: {error}"[:300])
+    return timed_row("prefill", case, config, seconds, work, ref_s)
+
+
+def timed_row(kind: str, case: dict, config: dict, seconds: float, work, ref_s: float | None = None, **extra) -> dict:
+    """A result row: the case, its time per call beside the roofline of `work` (bytes, FLOPs) and, given the
+    reference's time, the speed ratio; extra keys (impl, options) as given."""
     roof = roofline_seconds(*work)
-    return dict(kind="prefill", **case, config=config, kernel_us=seconds * 1e6, ref_us=ref_s * 1e6, bytes=work[0],
-                flops=work[1], roofline_us=roof * 1e6, roofline_pct=100 * roof / seconds, speedup=ref_s / seconds)  # fmt: skip
+    row = dict(kind=kind, **case, config=config, kernel_us=seconds * 1e6, bytes=work[0], flops=work[1],
+               roofline_us=roof * 1e6, roofline_pct=100 * roof / seconds, **extra)  # fmt: skip
+    if ref_s is not None:
+        row.update(ref_us=ref_s * 1e6, speedup=ref_s / seconds)
+    return row
 
 
 MGPU_SWEEP = [dict(block_q=64, block_kv=bk, max_concurrent_steps=s) for bk, s in ((64, 2), (64, 3), (128, 2))]
@@ -272,7 +277,6 @@ def dense_baseline_rows(case: dict, shape: dict, args) -> list[dict]:
     q = jax.random.normal(key, (rows, chunk, heads, dim), dtype)
     kv = [jax.random.normal(jax.random.fold_in(key, i), (rows, chunk, kv_heads, dim), dtype) for i in (1, 2)]
     work = prefill_work([0] * rows, [chunk] * rows, chunk, heads, kv_heads, dim, dtype.itemsize)
-    roof = roofline_seconds(*work)
     candidates = [("mgpu", c, lambda q, k, v, c=c: attention_mgpu.attention(
         q, k, v, attention_mgpu.TuningConfig(causal=True, **c))) for c in MGPU_SWEEP]  # fmt: skip
     group = heads // kv_heads
@@ -297,8 +301,7 @@ def dense_baseline_rows(case: dict, shape: dict, args) -> list[dict]:
             )
             continue
         seconds = best_seconds(lambda c=compiled: jax.block_until_ready(c(q, *kv)), args.trials) / args.repeats
-        out.append(dict(kind="dense", impl=name, **case, config=config, kernel_us=seconds * 1e6, bytes=work[0],
-                        flops=work[1], roofline_us=roof * 1e6, roofline_pct=100 * roof / seconds))  # fmt: skip
+        out.append(timed_row("dense", case, config, seconds, work, impl=name))
     return out
 
 
