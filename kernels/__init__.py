@@ -123,14 +123,14 @@ def mixers(name: str, interpret: bool = False) -> Mixers:
 
 def check_selectable(name: str, platform: str | None = None) -> None:
     """Raises ValueError naming --kernels unless the set exists and runs on `platform` (default: JAX's)."""
-    mixers(name)
+    mix = mixers(name)
     platform = platform or jax.default_backend()
     if "pallas" in name and platform != "gpu":
         raise ValueError(
             f"--kernels pallas needs a GPU (the kernels compile through Triton); JAX runs on {platform}: "
             "use --kernels ref"
         )
-    if platform == "gpu" and mixers(name).prefill_attention is PALLAS.prefill_attention:
+    if platform == "gpu" and mix.prefill_attention is PALLAS.prefill_attention:
         try:
             chunk_attention.tokamax_attention()
         except ImportError as error:
