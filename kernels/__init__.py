@@ -43,6 +43,7 @@ from qwen35_jax.kernels.gdn_decode import (
 )
 from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
 from qwen35_jax.kernels.linear import linear_pallas, linear_ref
+from qwen35_jax.kernels.residual_norm import add_rms_norm_pallas, add_rms_norm_ref
 
 KERNEL_SETS = ("ref", "pallas")
 
@@ -58,18 +59,19 @@ class Mixers(NamedTuple):
     gdn_decode_pool: object  # the GDN decode updating the slot pool in place (ModelDef.gdn_state "in_pool")
     linear: object  # the weight products x @ W^T of the layers (decode-sized batches; larger ones go to XLA)
     conv_update_pool: object  # the conv update of decode rows in the slot pool, in place (gdn_state "in_pool")
+    add_norm: object  # (h, partials, weight, eps) -> (h + the product's output, its RMSNorm): the norm points
 
 
 REF = Mixers(
     "ref", gdn_chunked_prefill_ref, gdn_decode_ref, causal_conv1d_prefill_ref, causal_conv1d_update_ref,
     paged_decode_attention_ref, prefill_attention_ref, gdn_decode_pool_ref, linear_ref,
-    causal_conv1d_update_pool_ref,
+    causal_conv1d_update_pool_ref, add_rms_norm_ref,
 )  # fmt: skip
 
 _PALLAS = (
     gdn_chunked_prefill_pallas, gdn_decode_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pallas,
     paged_decode_attention_pallas, prefill_attention_pallas, gdn_decode_pool_pallas, linear_pallas,
-    causal_conv1d_update_pool_pallas,
+    causal_conv1d_update_pool_pallas, add_rms_norm_pallas,
 )  # fmt: skip
 # Each kernel is wrapped in its own jax.jit: a step calls the same kernel at the same shapes in many layers
 # (24 GDN and 8 attention layers at 4B), and JAX lowers a nested jit once per program and calls it from each
@@ -78,7 +80,7 @@ _PALLAS = (
 # CPU); XLA inlines the calls, so the compiled program is the same. Built once: jit keys compiled programs on
 # the Mixers value, so these must be the same objects every time.
 # The products' prologue switches (`kernels.linear`) are Python values the kernel is built from.
-_STATIC = {linear_pallas: ("eps", "glu", "fuse_prologue")}
+_STATIC = {linear_pallas: ("eps", "glu", "partials", "glu_out", "fuse_prologue"), add_rms_norm_pallas: ("eps",)}
 PALLAS = Mixers("pallas", *(jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS))
 PALLAS_INTERPRET = Mixers(
     "pallas-interpret",

@@ -15,6 +15,12 @@ tensor-core tile; x is tiny and read from L2 by every program), accumulating in 
 two that divide N and K (4B: block_n 32, block_k 128 everywhere). Splitting K gives a
 narrow weight (N = 2560 at 4B) enough programs to keep every SM's loads in flight; the splits' fp32 partial
 sums [splits, M, N] are added by XLA, which fuses the sum into the consumer where it can.
+With `partials=True` the product returns those fp32 sums unadded and unrounded, [splits, ..., N] ([1, ..., N]
+from XLA's dot), for a consumer that adds them itself: the residual add of `kernels.residual_norm`.
+With `glu_out=True` the weight is the fused MLP's [gate; up] ([2I, K]) and the result silu_mul(gate, up) [M, I]:
+each program multiplies the same block_n columns of both halves over all of K and applies the activation as its
+epilogue, so the activation is not an XLA kernel of its own between the gate/up and down products (32 kernels a
+4B batch-1 step, session-7 profile), and the [M, 2I] gate/up output is never written.
 Only M <= MAX_ROWS goes to the kernel: from 64 rows on XLA's GEMMs, which tile M, were measured faster (MAX_ROWS
 notes). Shapes with N or K not a multiple of 16 go to `linear_ref` too.
 
@@ -63,6 +69,9 @@ BLOCK_K = 128
 # rest 0.27 ms less): the norm and glu products lose more than the small kernels they replace.
 # So XLA computes them by default; the kernel path stays for the A/B (`fuse_prologue=True`) and its tests.
 FUSE_PROLOGUE = False
+# The gate/up product with the activation as its epilogue (glu_out) reads two [block_n, block_k] tiles a step, one of
+# each half of the weight: 16 keeps the plain kernel's bytes a step and its program count at 4B (576). Not swept.
+GLU_OUT_BLOCK_N = 16
 NUM_WARPS = 4
 NUM_STAGES = 3
 TARGET_PROGRAMS = 4 * 132  # four programs an SM on the H200's 132: enough loads in flight to cover HBM latency
@@ -93,12 +102,16 @@ def prologue_ref(x: jax.Array, norm_weight=None, eps: float = 1e-6, glu: bool = 
     return x
 
 
-def linear_ref(x: jax.Array, w: jax.Array, *, norm_weight=None, eps: float = 1e-6, glu: bool = False) -> jax.Array:
+def linear_ref(x: jax.Array, w: jax.Array, *, norm_weight=None, eps: float = 1e-6, glu: bool = False,
+               partials: bool = False, glu_out: bool = False) -> jax.Array:  # fmt: skip
     """prologue(x) [..., K] @ w[N, K]^T with fp32 accumulation, x's dtype out (XLA's dot). norm_weight / eps /
-    glu: the prologue (module notes)."""
+    glu: the prologue (module notes). partials: the fp32 sums unrounded, as [1, ..., N]. glu_out: w is the MLP's
+    [gate; up] and the result silu_mul(gate, up), [..., N / 2] (module notes)."""
     x = prologue_ref(x, norm_weight, eps, glu)
     out = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
+    if glu_out:
+        return silu_mul(*jnp.split(out.astype(x.dtype), 2, axis=-1))
+    return out[None] if partials else out.astype(x.dtype)
 
 
 def default_splits(n: int, k: int, block_n: int, block_k: int) -> int:
@@ -172,6 +185,45 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, rows: int, eps: float
         pltriton.store(out_ref.at[pl.ds(0, rows), :], acc.astype(out_ref.dtype), mask=valid)
 
 
+def _glu_out_kernel(x_ref, gate_ref, up_ref, out_ref, *, block_k: int, steps: int, rows: int):
+    """One program: the gate and up columns of the same block_n outputs, over all of K, then the activation."""
+
+    def step(j, accs):
+        cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+        x = _load_rows(x_ref, rows, cols.start, block_k)
+        dims = (((1,), (1,)), ((), ()))
+        return tuple(acc + lax.dot_general(x, ref[:, cols], dims, preferred_element_type=jnp.float32)
+                     for acc, ref in zip(accs, (gate_ref, up_ref), strict=True))  # fmt: skip
+
+    zeros = jnp.zeros((rows, out_ref.shape[-1]), jnp.float32)
+    gate, up = lax.fori_loop(0, steps, step, (zeros, zeros))
+    act = silu_mul(gate.astype(out_ref.dtype), up.astype(out_ref.dtype))  # the rounding of linear_ref's glu_out
+    if out_ref.shape[0] == rows:
+        out_ref[...] = act
+    else:
+        valid = jnp.arange(rows)[:, None] < out_ref.shape[0]
+        pltriton.store(out_ref.at[pl.ds(0, rows), :], act, mask=valid)
+
+
+def _glu_out_call(x2, w, block_n: int, block_k: int, num_warps, num_stages, interpret):
+    """silu_mul(x2 @ gate^T, x2 @ up^T) with w = [gate; up]: grid (N / 2 / block_n,), no K split (the
+    activation needs whole sums); the two halves of w are read through two block specs of the same array."""
+    (m, k), half = x2.shape, w.shape[0] // 2
+    offset = half // block_n
+    return pl.pallas_call(
+        functools.partial(_glu_out_kernel, block_k=block_k, steps=k // block_k, rows=pl.next_power_of_2(max(m, 16))),
+        grid=(half // block_n,),
+        in_specs=[pl.BlockSpec(x2.shape, lambda i: (0, 0)), pl.BlockSpec((block_n, k), lambda i: (i, 0)),
+                  pl.BlockSpec((block_n, k), lambda i: (i + offset, 0))],
+        out_specs=pl.BlockSpec((m, block_n), lambda i: (0, i)),
+        out_shape=jax.ShapeDtypeStruct((m, half), x2.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
+                                                num_stages=num_stages or NUM_STAGES),
+        interpret=interpret,
+        name="linear_glu_out",
+    )(x2, w, w)  # fmt: skip
+
+
 def _tile(size: int, cap: int) -> int:
     """The largest power of two that divides `size`, at most `cap` (tiles never overhang: no edge masks)."""
     return min(cap, size & -size)
@@ -188,9 +240,9 @@ def fits_kernel(x_shape, w_shape, block_n: int, block_k: int) -> bool:
     )
 
 
-def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = False, fuse_prologue=None,
-                  block_n=None, block_k=None, splits=None, num_warps=None, num_stages=None,
-                  interpret=False):  # fmt: skip
+def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = False, partials: bool = False,
+                  glu_out: bool = False, fuse_prologue=None, block_n=None, block_k=None, splits=None,
+                  num_warps=None, num_stages=None, interpret=False):  # fmt: skip
     """Pallas form of `linear_ref` (same layouts, prologues and rounding; fp32 sums in a different order).
     fuse_prologue: the prologue in the kernel (True) or in XLA before it (False); None: FUSE_PROLOGUE. Rows
     beyond MAX_ROWS, and shapes the tiles do not divide, take `linear_ref`. block_n / block_k / splits /
@@ -203,10 +255,12 @@ def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = Fals
     n, k = w.shape
     if x.shape[-1] != (2 * k if glu else k):
         raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={k}" + (" (glu: 2K)" if glu else ""))
-    block_n = block_n or _tile(n, BLOCK_N)
+    block_n = block_n or _tile(n // 2 if glu_out else n, GLU_OUT_BLOCK_N if glu_out else BLOCK_N)
     block_k = block_k or _tile(k, BLOCK_K)
+    if glu_out:
+        return _linear_glu_out(x, w, block_n, block_k, num_warps, num_stages, interpret)
     if not fits_kernel(x.shape, w.shape, block_n, block_k):
-        return linear_ref(x, w, norm_weight=norm_weight, eps=eps, glu=glu)
+        return linear_ref(x, w, norm_weight=norm_weight, eps=eps, glu=glu, partials=partials)
     if not (FUSE_PROLOGUE if fuse_prologue is None else fuse_prologue):
         x, norm_weight, glu = prologue_ref(x, norm_weight, eps, glu), None, False  # XLA's fusion computes it
     lead = x.shape[:-1]
@@ -220,7 +274,7 @@ def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = Fals
     steps = k // block_k // splits
     if steps * splits * block_k != k:
         raise ValueError(f"splits={splits} does not divide K={k} into block_k={block_k} steps")
-    out_dtype = x.dtype if splits == 1 else jnp.float32
+    out_dtype = x.dtype if splits == 1 and not partials else jnp.float32
     operands = (x2, w) if norm_weight is None else (x2, w, norm_weight)
     norm_spec = [] if norm_weight is None else [pl.BlockSpec((k,), lambda i, s: (0,))]
     out = pl.pallas_call(
@@ -236,5 +290,16 @@ def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = Fals
         interpret=interpret,
         name="linear",
     )(*operands)  # fmt: skip
+    if partials:
+        return out.reshape(splits, *lead, n)
     out = out[0] if splits == 1 else out.sum(axis=0)
     return out.astype(x.dtype).reshape(*lead, n)
+
+
+def _linear_glu_out(x, w, block_n: int, block_k: int, num_warps, num_stages, interpret):
+    """linear_pallas(..., glu_out=True) (no prologue; the reference where the kernel does not fit)."""
+    if w.shape[0] % 2 or not fits_kernel(x.shape, (w.shape[0] // 2, w.shape[1]), block_n, block_k):
+        return linear_ref(x, w, glu_out=True)
+    x2 = x.reshape(-1, x.shape[-1])
+    out = _glu_out_call(x2, w, block_n, block_k, num_warps, num_stages, interpret)
+    return out.reshape(*x.shape[:-1], w.shape[0] // 2)

@@ -46,39 +46,31 @@ def _param(shape, dtype) -> nnx.Param:
 matmul = linear_ref
 
 
-class Normed(NamedTuple):
-    """Rows an RMSNorm has yet to normalise: the products that read them apply it as their prologue
-    (`kernels.linear`: XLA computes it before the decode product kernel by default, the kernel itself with
-    `FUSE_PROLOGUE`; XLA merges the same norm read by several products). Carries the rows' shape and dtype."""
+class Residual(NamedTuple):
+    """The residual stream between layers: h plus the output of the product that ends a sublayer (o_proj,
+    out_proj or down_proj), not yet added. `partials` [S, rows, hidden] fp32 are that product's split-K partial
+    sums (`linear(..., partials=True)`; None: nothing pending). The add, its rounding and the next RMSNorm are
+    one call of the step's `Mixers.add_norm` (`kernels.residual_norm`: one kernel per norm point, where XLA
+    ran three)."""
 
-    rows: jax.Array
-    weight: jax.Array
-    eps: float
+    h: jax.Array
+    partials: jax.Array | None = None
 
-    @property
-    def shape(self):
-        return self.rows.shape
-
-    @property
-    def dtype(self):
-        return self.rows.dtype
-
-
-def product(linear, x, weight):
-    """x (rows, or Normed rows) @ weight^T through `linear` (`matmul`'s signature)."""
-    if isinstance(x, Normed):
-        return linear(x.rows, weight, norm_weight=x.weight, eps=x.eps)
-    return linear(x, weight)
+    def resolved(self) -> jax.Array:
+        """h with the pending output added (the model's rounding: the product's output, then the sum)."""
+        if self.partials is None:
+            return self.h
+        return self.h + self.partials.sum(axis=0).astype(self.h.dtype)
 
 
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, dtype):
         self.weight = _param((out_features, in_features), dtype)
 
-    def __call__(self, x, linear=matmul):
-        """x: rows or `Normed` rows; linear: the product's implementation, `matmul`'s signature (the step's
-        `Mixers.linear`)."""
-        return product(linear, x, self.weight[...])
+    def __call__(self, x, linear=matmul, partials: bool = False):
+        """linear: the product's implementation, `matmul`'s signature (the step's `Mixers.linear`); partials:
+        return its fp32 partial sums unadded (`Residual`)."""
+        return linear(x, self.weight[...], partials=True) if partials else linear(x, self.weight[...])
 
 
 class Weight(nnx.Module):
@@ -98,9 +90,10 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
 
-    def deferred(self, x) -> Normed:
-        """x to be normalised by the products that read it (`Normed`)."""
-        return Normed(x, self.weight[...], self.eps)
+
+def add_norm(ctx, residual: Residual, norm: RMSNorm) -> tuple[jax.Array, jax.Array]:
+    """(h, norm(h)) with residual's pending output added first, through the step's `Mixers.add_norm`."""
+    return ctx.mixers.add_norm(residual.h, residual.partials, norm.weight[...], norm.eps)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -138,10 +131,8 @@ def _projections(module, fused_name: str, widths, x, linear) -> list[jax.Array]:
     bounds = list(itertools.accumulate(widths))[:-1]
     weight = getattr(module, fused_name).weight[...]
     if fused_name in FUSED_QKV and math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
-        if isinstance(x, Normed):  # normalised once for the parts (prefill-sized rows: XLA's products anyway)
-            x = rms_norm(x.rows, x.weight, x.eps)
-        return [product(linear, x, part) for part in jnp.split(weight, bounds, axis=0)]
-    return jnp.split(product(linear, x, weight), bounds, axis=-1)
+        return [linear(x, part) for part in jnp.split(weight, bounds, axis=0)]
+    return jnp.split(linear(x, weight), bounds, axis=-1)
 
 
 class MLP(nnx.Module):
@@ -154,13 +145,13 @@ class MLP(nnx.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def __call__(self, x, linear=matmul):
-        """x: rows or `Normed` rows. Fused, silu(gate) * up of the gate/up output is the down product's prologue
-        (`kernels.linear`); unfused, the model computes it."""
+        """The down product's fp32 partial sums (`Residual`). Fused, silu(gate) * up is the gate/up product's
+        epilogue (`kernels.linear`, glu_out); unfused, the model computes it."""
         if hasattr(self, "gate_up_proj"):
-            gate_up = product(linear, x, self.gate_up_proj.weight[...])
-            return linear(gate_up, self.down_proj.weight[...], glu=True)
+            act = linear(x, self.gate_up_proj.weight[...], glu_out=True)
+            return linear(act, self.down_proj.weight[...], partials=True)
         gate, up = _projections(self, "gate_up_proj", self.widths, x, linear)
-        return self.down_proj(silu_mul(gate, up), linear)
+        return self.down_proj(silu_mul(gate, up), linear, partials=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,8 +247,8 @@ class GatedDeltaNet(nnx.Module):
     def __call__(self, x, state: GdnState, ctx: StepContext, pools: KVPages, layer):
         """x [N, hidden]; state: this layer's rows (decode rows first, then prefill rows), except that with
         pools.ssm set ("in_pool") state holds the prefill rows only and the decode rows' recurrent and conv
-        states are updated in pools.ssm and pools.conv, GDN layer `layer` of them. Returns (output, new state,
-        pools)."""
+        states are updated in pools.ssm and pools.conv, GDN layer `layer` of them. Returns (out_proj's partial
+        sums, new state, pools)."""
         linear = ctx.mixers.linear
         mixed, z, b, a = _projections(self, "in_proj", self._widths(), x, linear)
         beta = jax.nn.sigmoid(b)
@@ -279,7 +270,11 @@ class GatedDeltaNet(nnx.Module):
                 convs.append(conv_s)
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv, dv]
         out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)
-        return self.out_proj(out, linear), GdnState(_rows_or(ssms, state.ssm), _rows_or(convs, state.conv)), pools
+        return (
+            self.out_proj(out, linear, partials=True),
+            GdnState(_rows_or(ssms, state.ssm), _rows_or(convs, state.conv)),
+            pools,
+        )
 
 
 def _rows_or(parts: list, empty: jax.Array) -> jax.Array:
@@ -357,7 +352,9 @@ class Attention(nnx.Module):
             )
         out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
         out = (out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)
-        return self.o_proj(out, ctx.mixers.linear), dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+        return self.o_proj(out, ctx.mixers.linear, partials=True), dataclasses.replace(
+            cache, k_pages=k_pages, v_pages=v_pages
+        )
 
 
 class DecoderLayer(nnx.Module):
@@ -370,16 +367,17 @@ class DecoderLayer(nnx.Module):
             self.self_attn = Attention(cfg, dtype, fused_qkv)
         self.mlp = MLP(cfg, dtype, fused_mlp)
 
-    def __call__(self, h, cache, layer, state, ctx, linear_layer=None):
-        """Linear layers read and return their GdnState (and, "in_pool", the slot pool in cache.ssm, their
-        index linear_layer of it); the attention layer reads and returns the KV pages (its index: layer)."""
-        x = self.input_layernorm.deferred(h)  # the norms are the products' prologues (`Normed`)
+    def __call__(self, residual: Residual, cache, layer, state, ctx, linear_layer=None):
+        """residual in and out: the MLP's output is left pending, for the next layer's add and norm. Linear layers
+        read and return their GdnState (and, "in_pool", the slot pool in cache.ssm, their index linear_layer of
+        it); the attention layer reads and returns the KV pages (its index: layer)."""
+        h, x = add_norm(ctx, residual, self.input_layernorm)
         if hasattr(self, "linear_attn"):
             out, state, cache = self.linear_attn(x, state, ctx, cache, linear_layer)
         else:
             out, cache = self.self_attn(x, cache, layer, ctx)
-        h = h + out
-        return h + self.mlp(self.post_attention_layernorm.deferred(h), ctx.mixers.linear), cache, state
+        h, x = add_norm(ctx, Residual(h, out), self.post_attention_layernorm)
+        return Residual(h, self.mlp(x, ctx.mixers.linear)), cache, state
 
 
 class LayerGroup(nnx.Module):
@@ -390,7 +388,7 @@ class LayerGroup(nnx.Module):
         kinds = cfg.layer_types[: cfg.group_size]
         self.layers = nnx.List([DecoderLayer(cfg, kind, dtype, fused_mlp, fused_qkv) for kind in kinds])
 
-    def __call__(self, h, cache, group, states: GdnState, ctx):
+    def __call__(self, h: Residual, cache, group, states: GdnState, ctx):
         """states: [linear_per_group, R, ...] for this group's GDN layers; returns them updated."""
         new_states = []
         linear_per_group = len(self.layers) - 1
@@ -555,7 +553,7 @@ def forward(
     cos, sin = rope_tables(positions, model.cfg, model.dtype)
     kv_page, kv_offset = _kv_destinations(inputs, cache.page_size)
     ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset)
-    h = top.embed(_flat(inputs, "tokens"))
+    h = Residual(top.embed(_flat(inputs, "tokens")))
     cfg = model.cfg
     in_pool = model.gdn_state == "in_pool" and inputs.decode is not None
     slots, states = _gather_states(cache, inputs, cfg, decode_rows=not in_pool)
@@ -565,6 +563,8 @@ def forward(
         h, kv = carry
         group_params, group_index, group_states = xs
         h, kv, group_states = nnx.merge(model.group, group_params)(h, kv, group_index, group_states, ctx)
+        if model.layer_loop == "scan":  # a scan's carry keeps one structure: nothing pending between groups
+            h = Residual(h.resolved())
         return (h, kv), group_states
 
     xs = (params["groups"], jnp.arange(cfg.num_groups, dtype=jnp.int32), states)
@@ -579,7 +579,7 @@ def forward(
             for pool, rows in ((ssm_pool, states.ssm), (conv_pool, states.conv))
         )
     cache = Cache(k_pages=kv.k_pages, v_pages=kv.v_pages, ssm=ssm_pool, conv=conv_pool)
-    return top.logits(h[_logit_rows(inputs, all_prefill_logits)]), cache
+    return top.logits(h.resolved()[_logit_rows(inputs, all_prefill_logits)]), cache
 
 
 def _layer_loop(kind: str, body, carry, xs, length: int):

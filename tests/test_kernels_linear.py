@@ -199,3 +199,49 @@ def test_gpu_prologues_at_4b_shapes(prologue, m, n, k):
     x_in = prologue_ref(x, **kwargs)
     slack = 2.0**-8 * (np.abs(np.float64(np.float32(x_in))) @ np.abs(np.float64(np.float32(w))).T)
     assert_within_summation_bound(y, x_in, w, slack=slack)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("m, half, k", [(1, 256, 1024), (5, 64, 512), (MAX_ROWS, 48, 768), (MAX_ROWS + 1, 64, 256)])
+def test_glu_out_is_the_activation_of_the_reference_halves(m, half, k, dtype):
+    """glu_out: silu_mul of the gate and up halves' products, each rounded to the model dtype first. The kernel's
+    halves are within the summation bound of the exact products (as the plain kernel); so the activation is
+    checked against silu_mul of the exact halves rounded the same way, within one more rounding step of each
+    half (2^-8 relative for bf16: gate and up may each round to the neighbouring value; silu is 1.1-Lipschitz)
+    plus the output's own rounding. Rows above MAX_ROWS take the reference exactly."""
+    x, w = operands(m, 2 * half, k, dtype, seed=m)
+    y = linear_pallas(x, w, glu_out=True, interpret=True)
+    assert y.shape == (m, half) and y.dtype == dtype
+    x64, w64 = np.float64(np.float32(x)), np.float64(np.float32(w))
+    exact, magnitude = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
+    gate, up = np.split(exact, 2, axis=-1)
+    gate_mag, up_mag = np.split(magnitude, 2, axis=-1)
+    act = gate / (1 + np.exp(-gate)) * up
+    unit = 2.0**-8 if dtype == jnp.bfloat16 else k * 2.0**-24
+    bound = 1.1 * unit * gate_mag * np.abs(up) + unit * up_mag * np.abs(gate) * 1.1 + 2 * unit * np.abs(act) + 1e-6
+    err = np.abs(np.float64(np.float32(y)) - act)
+    assert np.all(err <= bound), f"max err {err.max():.3g}"
+    if m > MAX_ROWS:
+        np.testing.assert_array_equal(np.float32(y), np.float32(linear_ref(x, w, glu_out=True)))
+    else:  # a mutation that mixes the halves or drops K steps is O(1) off; this pins the kernel's grid too
+        np.testing.assert_allclose(np.float32(y), np.float32(linear_ref(x, w, glu_out=True)), rtol=0,
+                                   atol=float(np.max(bound)))  # fmt: skip
+
+
+def test_glu_out_lowers_to_one_kernel_for_h200():
+    """4B's fused gate/up at batch 1: one Triton kernel, a program per 16 activation columns (9216 / 16)."""
+    spec = jax.ShapeDtypeStruct
+    text = lower_for_h200(lambda x, w: linear_pallas(x, w, glu_out=True), spec((1, 2560), jnp.bfloat16),
+                          spec((18432, 2560), jnp.bfloat16)).as_text()  # fmt: skip
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert re.findall(r"grid_[xyz] = (\d+)", text) == ["576", "1", "1"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, MAX_ROWS])
+def test_gpu_glu_out_at_4b_shapes(m):
+    x, w = operands(m, 18432, 2560, jnp.bfloat16, seed=m)
+    y = jax.jit(functools.partial(linear_pallas, glu_out=True))(x, w)
+    ref = linear_ref(x, w, glu_out=True)
+    scale = float(np.max(np.abs(np.float32(ref))))
+    np.testing.assert_allclose(np.float32(y), np.float32(ref), rtol=2.0**-6, atol=2.0**-7 * scale)

@@ -1,0 +1,90 @@
+"""The residual add and the next RMSNorm of a decode step, as one kernel.
+
+Math, per row: out = round(sum_s partials[s]) (the product's output in the model dtype, as `linear` rounds it),
+h' = round(h + out), y = round(h' * rsqrt(mean(h'^2) + eps) * (1 + w)) (the zero-centred `rms_norm`), all
+arithmetic in fp32. Returns (h', y): the residual stream and the next products' input.
+Layouts: h [M, N] (model dtype), partials [S, M, N] fp32 (the split-K partial sums of the product that made the
+layer's output: o_proj, out_proj or down_proj; S = 1 for an unsplit product), w [N]; h' and y [M, N] in h's
+dtype. partials None: h' = h (the first layer's input norm).
+
+Why a kernel: XLA ran each of a decode step's 64 norm points as three small kernels (the split-K sum with the
+residual add, the sum of squares, the scale: H200 batch-1 profile of session 7, 190 launches and 0.26 ms of a
+3.03 ms step). XLA does not fuse a row reduction with the elementwise work that reads its result. Moving the
+norm into the products instead slowed them more than it saved (`kernels.linear`, FUSE_PROLOGUE).
+
+Pallas kernel (Triton lowering): one program per row. It reads the row's partials in `block`-wide pieces
+(block: the largest power of two dividing N, at most 1024), keeps h' in registers (N fp32 values over the
+program's threads), sums the squares, then scales and stores. Rows above MAX_ROWS go to the reference: there
+the products are XLA's GEMMs (`kernels.linear.MAX_ROWS`), whose output XLA can fuse into the add.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from qwen35_jax.kernels.linear import MAX_ROWS, rms_norm
+
+MAX_BLOCK = 1024
+NUM_WARPS = 4
+
+
+def add_rms_norm_ref(h: jax.Array, partials: jax.Array | None, weight: jax.Array, eps: float):
+    """(h + round(sum(partials, 0)), rms_norm of that): the model's add and norm as XLA computes them."""
+    if partials is not None:
+        h = h + partials.sum(axis=0).astype(h.dtype)
+    return h, rms_norm(h, weight, eps)
+
+
+def _kernel(partials_ref, h_ref, w_ref, h_out_ref, normed_ref, *, block: int, eps: float):
+    n, dtype = h_ref.shape[0], h_ref.dtype
+    pieces, squares = [], jnp.zeros((block,), jnp.float32)
+    for j in range(n // block):  # unrolled: every piece's loads can be in flight at once
+        cols = pl.ds(j * block, block)
+        total = partials_ref[0, cols]
+        for s in range(1, partials_ref.shape[0]):
+            total = total + partials_ref[s, cols]
+        new = (h_ref[cols].astype(jnp.float32) + total.astype(dtype).astype(jnp.float32)).astype(dtype)
+        h_out_ref[cols] = new
+        x32 = new.astype(jnp.float32)
+        squares = squares + x32 * x32
+        pieces.append(x32)
+    scale = lax.rsqrt(jnp.sum(squares) / n + eps)
+    for j, x32 in enumerate(pieces):  # rms_norm's order: (x * rsqrt) * (1 + w)
+        cols = pl.ds(j * block, block)
+        normed_ref[cols] = ((x32 * scale) * (1.0 + w_ref[cols].astype(jnp.float32))).astype(dtype)
+
+
+def fits_kernel(h_shape, block: int) -> bool:
+    """At most MAX_ROWS rows, and a row that `block`-wide pieces of >= 16 divide."""
+    rows, n = h_shape
+    return rows <= MAX_ROWS and block >= 16 and n % block == 0
+
+
+def add_rms_norm_pallas(h, partials, weight, eps: float, *, block=None, num_warps=None, interpret=False):
+    """Pallas form of `add_rms_norm_ref` (same rounding; the partials and the squares summed in a different
+    order). Rows above MAX_ROWS, partials None, and rows no power-of-two block divides take the reference."""
+    n = h.shape[-1]
+    block = block or min(MAX_BLOCK, n & -n)
+    if partials is None or h.ndim != 2 or not fits_kernel(h.shape, block):
+        return add_rms_norm_ref(h, partials, weight, eps)
+    if partials.shape[1:] != h.shape:
+        raise ValueError(f"partials {partials.shape} do not match h {h.shape} (expected [S, M, N])")
+    rows, splits = h.shape[0], partials.shape[0]
+    row_spec = pl.BlockSpec((None, n), lambda m: (m, 0))
+    h_out, normed = pl.pallas_call(
+        functools.partial(_kernel, block=block, eps=eps),
+        grid=(rows,),
+        in_specs=[pl.BlockSpec((splits, None, n), lambda m: (0, m, 0)), row_spec, pl.BlockSpec((n,), lambda m: (0,))],
+        out_specs=[row_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct(h.shape, h.dtype)] * 2,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="add_rms_norm",
+    )(partials, h, weight)
+    return h_out, normed
