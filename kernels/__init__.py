@@ -7,7 +7,8 @@
 A set may take single kernels from another, for A/B runs and for finding the kernel that moves a result:
 `pallas+linear=ref` is the Pallas set with XLA's weight products. A few kernels also have a named alternative
 (`ALTERNATIVES`): `pallas+prefill_attention=triton` is the one-kernel Triton prefill attention in place of the
-chunk part on tokamax's Mosaic GPU kernel plus the prefix pass (`kernels/chunk_attention.py`).
+chunk part on tokamax's Mosaic GPU kernel plus the prefix pass (`kernels/chunk_attention.py`), and
+`pallas+add_norm=triton` the residual add and RMSNorm as one kernel (`kernels/residual_norm.py`) in place of XLA's.
 `pallas` compiles through Triton, so only a GPU can run it outside interpret mode: the command-line flags
 refuse it elsewhere (`check_selectable`), before any weight loads. Its GPU tests pass on the H200 at 4B
 shapes (docs/kernels.md).
@@ -71,7 +72,7 @@ REF = Mixers(
 _PALLAS = (
     gdn_chunked_prefill_pallas, gdn_decode_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pallas,
     paged_decode_attention_pallas, prefill_attention_pallas, gdn_decode_pool_pallas, linear_pallas,
-    causal_conv1d_update_pool_pallas, add_rms_norm_pallas,
+    causal_conv1d_update_pool_pallas, add_rms_norm_ref,
 )  # fmt: skip
 # Each kernel is wrapped in its own jax.jit: a step calls the same kernel at the same shapes in many layers
 # (24 GDN and 8 attention layers at 4B), and JAX lowers a nested jit once per program and calls it from each
@@ -80,20 +81,36 @@ _PALLAS = (
 # CPU); XLA inlines the calls, so the compiled program is the same. Built once: jit keys compiled programs on
 # the Mixers value, so these must be the same objects every time.
 # The products' prologue switches (`kernels.linear`) are Python values the kernel is built from.
-_STATIC = {linear_pallas: ("eps", "glu", "partials", "glu_out", "fuse_prologue"), add_rms_norm_pallas: ("eps",)}
-PALLAS = Mixers("pallas", *(jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS))
+_STATIC = {linear_pallas: ("eps", "glu", "partials", "glu_out", "fuse_prologue")}
+# The add and norm stay XLA's in the `pallas` set: the one-kernel form measured slower on the H200 (session 9,
+# `kernels.residual_norm`), and is the named alternative `add_norm=triton`.
+_REFERENCE_IN_PALLAS = (add_rms_norm_ref,)
+PALLAS = Mixers(
+    "pallas", *(f if f in _REFERENCE_IN_PALLAS else jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS)
+)
 PALLAS_INTERPRET = Mixers(
     "pallas-interpret",
-    *(jax.jit(functools.partial(f, interpret=True), static_argnames=_STATIC.get(f)) for f in _PALLAS),
+    *(
+        f
+        if f in _REFERENCE_IN_PALLAS
+        else jax.jit(functools.partial(f, interpret=True), static_argnames=_STATIC.get(f))
+        for f in _PALLAS
+    ),
 )
 # Named alternatives of single kernels, {field: {name: (kernel, its interpret-mode form)}}, for swaps.
 ALTERNATIVES = {
+    "add_norm": {
+        "triton": (
+            jax.jit(add_rms_norm_pallas, static_argnames=("eps",)),
+            jax.jit(functools.partial(add_rms_norm_pallas, interpret=True), static_argnames=("eps",)),
+        )
+    },
     "prefill_attention": {
         "triton": (
             jax.jit(paged_prefill_attention_triton),
             jax.jit(functools.partial(paged_prefill_attention_triton, interpret=True)),
         )
-    }
+    },
 }
 
 _ALTERNATIVE_NAMES = {field: sorted(names) for field, names in ALTERNATIVES.items()}

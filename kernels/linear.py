@@ -17,10 +17,11 @@ narrow weight (N = 2560 at 4B) enough programs to keep every SM's loads in fligh
 sums [splits, M, N] are added by XLA, which fuses the sum into the consumer where it can.
 With `partials=True` the product returns those fp32 sums unadded and unrounded, [splits, ..., N] ([1, ..., N]
 from XLA's dot), for a consumer that adds them itself: the residual add of `kernels.residual_norm`.
-With `glu_out=True` the weight is the fused MLP's [gate; up] ([2I, K]) and the result silu_mul(gate, up) [M, I]:
-each program multiplies the same block_n columns of both halves over all of K and applies the activation as its
-epilogue, so the activation is not an XLA kernel of its own between the gate/up and down products (32 kernels a
-4B batch-1 step, session-7 profile), and the [M, 2I] gate/up output is never written.
+With `glu_out=True` the weight is the fused MLP's [gate; up] ([2I, K]) and the result silu_mul(gate, up) [M, I].
+With GLU_EPILOGUE each program multiplies the same block_n columns of both halves over all of K and applies the
+activation as its epilogue, so the activation is not an XLA kernel of its own between the gate/up and down
+products (32 kernels a 4B batch-1 step, session-7 profile); measured slower (GLU_EPILOGUE notes), so by default
+the plain kernel multiplies and XLA applies the activation.
 Only M <= MAX_ROWS goes to the kernel: from 64 rows on XLA's GEMMs, which tile M, were measured faster (MAX_ROWS
 notes). Shapes with N or K not a multiple of 16 go to `linear_ref` too.
 
@@ -70,8 +71,14 @@ BLOCK_K = 128
 # So XLA computes them by default; the kernel path stays for the A/B (`fuse_prologue=True`) and its tests.
 FUSE_PROLOGUE = False
 # The gate/up product with the activation as its epilogue (glu_out) reads two [block_n, block_k] tiles a step, one of
-# each half of the weight: 16 keeps the plain kernel's bytes a step and its program count at 4B (576). Not swept.
-GLU_OUT_BLOCK_N = 16
+# each half of the weight. Measured on the H200 (session 9, 4B, engine TPOT batch 1 / 32, the same call): the plain
+# kernel with XLA's activation after it 3.08 / 4.60 ms (with XLA's add and norm); the epilogue with block_n 16
+# (576 programs, the plain kernel's bytes a step) 3.42 ms at batch 1, and block_n 32 3.19 / 4.86 ms (both with the
+# add_norm kernel, whose own cost is 3.21 / 4.82 without the epilogue). Batch-1 profile: the epilogue product 1.00
+# ms a step against 0.82 + 0.05 ms for the plain product and XLA's activation. So it is off (GLU_EPILOGUE): glu_out
+# then multiplies by the plain kernel and lets XLA apply the activation, as before the epilogue existed.
+GLU_OUT_BLOCK_N = 32
+GLU_EPILOGUE = False
 NUM_WARPS = 4
 NUM_STAGES = 3
 TARGET_PROGRAMS = 4 * 132  # four programs an SM on the H200's 132: enough loads in flight to cover HBM latency
@@ -300,6 +307,9 @@ def _linear_glu_out(x, w, block_n: int, block_k: int, num_warps, num_stages, int
     """linear_pallas(..., glu_out=True) (no prologue; the reference where the kernel does not fit)."""
     if w.shape[0] % 2 or not fits_kernel(x.shape, (w.shape[0] // 2, w.shape[1]), block_n, block_k):
         return linear_ref(x, w, glu_out=True)
+    if not GLU_EPILOGUE:  # the plain kernel, then XLA's activation: the same numbers (GLU_EPILOGUE notes)
+        gate_up = linear_pallas(x, w, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        return silu_mul(*jnp.split(gate_up, 2, axis=-1))
     x2 = x.reshape(-1, x.shape[-1])
     out = _glu_out_call(x2, w, block_n, block_k, num_warps, num_stages, interpret)
     return out.reshape(*x.shape[:-1], w.shape[0] // 2)

@@ -203,12 +203,16 @@ def test_gpu_prologues_at_4b_shapes(prologue, m, n, k):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("m, half, k", [(1, 256, 1024), (5, 64, 512), (MAX_ROWS, 48, 768), (MAX_ROWS + 1, 64, 256)])
-def test_glu_out_is_the_activation_of_the_reference_halves(m, half, k, dtype):
+@pytest.mark.parametrize("epilogue", [True, False])
+def test_glu_out_is_the_activation_of_the_reference_halves(m, half, k, dtype, epilogue, monkeypatch):
     """glu_out: silu_mul of the gate and up halves' products, each rounded to the model dtype first. The kernel's
     halves are within the summation bound of the exact products (as the plain kernel); so the activation is
     checked against silu_mul of the exact halves rounded the same way, within one more rounding step of each
     half (2^-8 relative for bf16: gate and up may each round to the neighbouring value; silu is 1.1-Lipschitz)
-    plus the output's own rounding. Rows above MAX_ROWS take the reference exactly."""
+    plus the output's own rounding. Rows above MAX_ROWS take the reference exactly. Both forms (GLU_EPILOGUE)."""
+    from qwen35_jax.kernels import linear
+
+    monkeypatch.setattr(linear, "GLU_EPILOGUE", epilogue)
     x, w = operands(m, 2 * half, k, dtype, seed=m)
     y = linear_pallas(x, w, glu_out=True, interpret=True)
     assert y.shape == (m, half) and y.dtype == dtype
@@ -228,20 +232,43 @@ def test_glu_out_is_the_activation_of_the_reference_halves(m, half, k, dtype):
                                    atol=float(np.max(bound)))  # fmt: skip
 
 
-def test_glu_out_lowers_to_one_kernel_for_h200():
-    """4B's fused gate/up at batch 1: one Triton kernel, a program per 16 activation columns (9216 / 16)."""
+def test_glu_out_lowers_to_one_kernel_for_h200(monkeypatch):
+    """GLU_EPILOGUE on, 4B's fused gate/up at batch 1: one Triton kernel, a program per GLU_OUT_BLOCK_N (32)
+    activation columns (9216 / 32)."""
+    from qwen35_jax.kernels import linear
+
+    monkeypatch.setattr(linear, "GLU_EPILOGUE", True)
     spec = jax.ShapeDtypeStruct
     text = lower_for_h200(lambda x, w: linear_pallas(x, w, glu_out=True), spec((1, 2560), jnp.bfloat16),
                           spec((18432, 2560), jnp.bfloat16)).as_text()  # fmt: skip
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    assert re.findall(r"grid_[xyz] = (\d+)", text) == ["576", "1", "1"]
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "linear_glu_out" in text
+    assert re.findall(r"grid_[xyz] = (\d+)", text) == ["288", "1", "1"]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, MAX_ROWS])
-def test_gpu_glu_out_at_4b_shapes(m):
+def test_gpu_glu_out_at_4b_shapes(m, monkeypatch):
+    """The epilogue form (GLU_EPILOGUE, off by default) compiled for the GPU, against the reference."""
+    from qwen35_jax.kernels import linear
+
+    monkeypatch.setattr(linear, "GLU_EPILOGUE", True)
     x, w = operands(m, 18432, 2560, jnp.bfloat16, seed=m)
     y = jax.jit(functools.partial(linear_pallas, glu_out=True))(x, w)
     ref = linear_ref(x, w, glu_out=True)
     scale = float(np.max(np.abs(np.float32(ref))))
     np.testing.assert_allclose(np.float32(y), np.float32(ref), rtol=2.0**-6, atol=2.0**-7 * scale)
+
+
+def test_glu_out_without_the_epilogue_is_the_plain_product_then_xlas_activation(monkeypatch):
+    """GLU_EPILOGUE off: the fused weight's plain kernel product, split, then silu_mul in XLA (the form before the
+    epilogue): bit for bit those steps."""
+    from qwen35_jax.kernels import linear
+
+    monkeypatch.setattr(linear, "GLU_EPILOGUE", False)
+    x, w = operands(3, 128, 512, jnp.bfloat16, seed=3)
+    y = linear_pallas(x, w, glu_out=True, interpret=True)
+    gate, up = jnp.split(linear_pallas(x, w, interpret=True), 2, axis=-1)
+    np.testing.assert_array_equal(np.float32(y), np.float32(linear.silu_mul(gate, up)))
+    text = lower_for_h200(lambda x, w: linear_pallas(x, w, glu_out=True), jax.ShapeDtypeStruct((1, 2560), jnp.bfloat16),
+                          jax.ShapeDtypeStruct((18432, 2560), jnp.bfloat16)).as_text()  # fmt: skip
+    assert "linear_glu_out" not in text and re.findall(r"grid_[xyz] = (\d+)", text) == ["576", "1", "1"]

@@ -58,10 +58,10 @@ def assert_close_to_reference(ours, ref, h, partials):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("rows, n, splits", [(1, 2560, 8), (3, 2560, 1), (MAX_ROWS, 1536, 3), (5, 48, 2)])
+@pytest.mark.parametrize("rows, n, splits", [(1, 2560, 8), (3, 2560, 1), (MAX_ROWS, 1536, 4), (5, 48, 2)])
 @pytest.mark.parametrize("scale", [1.0, 1e-3])
 def test_matches_reference(rows, n, splits, dtype, scale):
-    """Rows 1..MAX_ROWS, 1-8 partials, N in 512-wide pieces (4B's 2560), 512 + 1024 (1536), or 16-wide (48);
+    """Rows 1..MAX_ROWS, 1-8 partials (powers of two: `fits_kernel`), N in 512-wide pieces (4B's 2560), 512 + 1024 (1536), or 16-wide (48);
     scale 1e-3 puts mean(h^2) at eps's size."""
     h, partials, weight = case(rows, n, splits, dtype, scale)
     ours = add_rms_norm_pallas(h, partials, weight, EPS, interpret=True)
@@ -84,8 +84,9 @@ def test_reference_is_the_models_add_then_norm():
 
 
 def test_what_the_kernel_does_not_take_is_the_reference_exactly():
-    """No partials (the first layer), more rows than MAX_ROWS (XLA's products), a row no 16-wide piece divides."""
-    for rows, n, splits in [(2, 256, 0), (MAX_ROWS + 1, 256, 2), (2, 40, 2)]:
+    """No partials (the first layer), more rows than MAX_ROWS (XLA's products), a row no 16-wide piece divides,
+    a number of partials that is not a power of two."""
+    for rows, n, splits in [(2, 256, 0), (MAX_ROWS + 1, 256, 2), (2, 40, 2), (4, 256, 3), (4, 256, 6)]:
         h, partials, weight = case(rows, n, max(splits, 1), jnp.bfloat16)
         partials = partials if splits else None
         ours = add_rms_norm_pallas(h, partials, weight, EPS, interpret=True)
@@ -115,10 +116,29 @@ def test_products_partials_add_up_to_their_output(kernel, m, splits):
     np.testing.assert_array_equal(f64(parts.sum(axis=0).astype(jnp.bfloat16)), f64(kernel(x, w, **kwargs)))
 
 
-def test_swappable_and_in_both_sets():
-    assert mixers("ref").add_norm is add_rms_norm_ref
-    swapped = mixers("pallas+add_norm=ref", interpret=True)
-    assert swapped.add_norm is add_rms_norm_ref and swapped.linear is mixers("pallas", interpret=True).linear
+def test_xlas_in_both_sets_the_kernel_a_named_alternative():
+    """Measured slower on the H200 (module notes), the kernel is `pallas+add_norm=triton`, not the default."""
+    assert mixers("ref").add_norm is add_rms_norm_ref and mixers("pallas").add_norm is add_rms_norm_ref
+    swapped = mixers("pallas+add_norm=triton", interpret=True)
+    assert swapped.add_norm is not add_rms_norm_ref and swapped.linear is mixers("pallas", interpret=True).linear
+    h, partials, weight = case(1, 256, 8, jnp.bfloat16)
+    assert_close_to_reference(swapped.add_norm(h, partials, weight, EPS), add_rms_norm_ref(h, partials, weight, EPS),
+                              h, partials)  # fmt: skip
+
+
+def test_the_kernel_in_the_model(tiny_model):
+    """The tiny model's logits with the kernel at every norm point of the decode steps (rows <= MAX_ROWS) match the
+    reference set's: 1e-4 on fp32 logits, as tests/test_kernels_in_model.py (the kernel agrees with XLA's add and
+    norm to ~1e-6 relative in fp32)."""
+    from test_kernels_in_model import PROMPT
+
+    ref = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    tiny_model.kernels = mixers("ref+add_norm=triton", interpret=True)
+    try:
+        ours = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    finally:
+        tiny_model.kernels = mixers("ref")
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
 def test_lowers_to_triton_for_h200():
@@ -135,7 +155,7 @@ def test_lowers_to_triton_for_h200():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, splits", [(1, 8), (16, 6), (MAX_ROWS, 1)])
+@pytest.mark.parametrize("rows, splits", [(1, 8), (16, 4), (MAX_ROWS, 1)])
 def test_gpu_matches_reference_at_4b_shapes(rows, splits):
     h, partials, weight = case(rows, 2560, splits, jnp.bfloat16, seed=rows)
     ours = jax.jit(lambda h, p, w: add_rms_norm_pallas(h, p, w, EPS))(h, partials, weight)
