@@ -80,8 +80,8 @@ _PALLAS = (
 # program for the H200 takes 0.3-0.6 s so, against 1.0-4.0 s with 56 separate Triton lowerings (this
 # CPU); XLA inlines the calls, so the compiled program is the same. Built once: jit keys compiled programs on
 # the Mixers value, so these must be the same objects every time.
-# The products' prologue switches (`kernels.linear`) are Python values the kernel is built from.
-_STATIC = {linear_pallas: ("eps", "glu", "partials", "glu_out", "fuse_prologue")}
+# The products' switches (`kernels.linear`) are Python values the kernel is built from.
+_STATIC = {linear_pallas: ("partials", "glu_out")}
 # The add and norm stay XLA's in the `pallas` set: the one-kernel form measured slower on the H200 (session 9,
 # `kernels.residual_norm`), and is the named alternative `add_norm=triton`.
 _REFERENCE_IN_PALLAS = (add_rms_norm_ref,)

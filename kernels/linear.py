@@ -25,21 +25,11 @@ the plain kernel multiplies and XLA applies the activation.
 Only M <= MAX_ROWS goes to the kernel: from 64 rows on XLA's GEMMs, which tile M, were measured faster (MAX_ROWS
 notes). Shapes with N or K not a multiple of 16 go to `linear_ref` too.
 
-Prologues: the product may first transform x. By default XLA computes the prologue before the kernel (its
-fusions, as before); with `fuse_prologue=True` (or FUSE_PROLOGUE) the kernel applies it to x as it loads it, so
-that what feeds a product is not a kernel of its own (at batch 1 on the H200, the RMSNorm before each input
-projection was two small XLA kernels, a row reduction and a normalise-and-pad, and the MLP's silu(gate) * up a
-third: 159 of a 4B step's 703 kernels, ~0.23 ms of its 3.3, session-6 profile). Measured slower in the engine
-(FUSE_PROLOGUE notes), so off. In the kernel:
-- `norm_weight` (+ `eps`): x := `rms_norm(x, norm_weight, eps)`, the model's zero-centred RMSNorm. Such a product
-  is not split over K (each program walks all of K): as it loads each x block it adds the block's squares to
-  the row sums and multiplies the block by (1 + w) (fp32, rounded to x's dtype), and after the loop it
-  scales each row's sums by rsqrt(mean(x^2) + eps). The reference rounds x * rsqrt(..) * (1 + w) instead of
-  x * (1 + w): the operands differ by a rounding (one bf16 step at most), the products by the sum of those.
-  (A first version summed the squares in a loop of its own before the product, with the x rows gathered by
-  index: 1.7-2x slower products, engine batch 1 5.47 ms against 3.08; H200, session 7.) Each step's x is
-  fetched one step ahead (`_kernel`), since Triton does not pipeline a load that is computed on.
-- `glu`: x is [M, 2K], gate then up; x := `silu_mul(gate, up)` (the fused MLP's gate_up output), K = w's K.
+The RMSNorm and the MLP activation before a product were tried inside this kernel, applied to x as it loads
+it (session 7: 175 fewer kernels a batch-1 step, but products 15-40% slower, since Triton does not pipeline a
+load that is computed on; engine batch 1 3.18 against 3.08 ms). That path was removed in session 9, when the
+model stopped handing the products its norms (`model.Residual`); docs/performance.md keeps the figures, git
+history (b9e86f3) the code.
 Rows: x keeps its M rows (no padding copy); the kernel's tiles have `rows` (16 or 32) rows, loaded and stored
 with the rows past M masked (contiguous columns, so the loads stay vectorised).
 """
@@ -64,12 +54,6 @@ MAX_ROWS = 32
 # session 5's 64 / 256 / 3 reached 58-69%.
 BLOCK_N = 32
 BLOCK_K = 128
-# The prologues in the kernel (module notes) took 175 of a 4B batch-1 step's 703 kernels away, yet the step got
-# slower on the H200 (session 7, x fetched a step ahead: TPOT batch 1 3.18 ms, 16 4.13, 32 6.28 against 3.08 /
-# 3.83 / 4.58 with XLA's fusions computing them; batch-1 profile: the products 2.39 ms a step against 2.08, the
-# rest 0.27 ms less): the norm and glu products lose more than the small kernels they replace.
-# So XLA computes them by default; the kernel path stays for the A/B (`fuse_prologue=True`) and its tests.
-FUSE_PROLOGUE = False
 # The gate/up product with the activation as its epilogue (glu_out) reads two [block_n, block_k] tiles a step, one of
 # each half of the weight. Measured on the H200 (session 9, 4B, engine TPOT batch 1 / 32, the same call): the plain
 # kernel with XLA's activation after it 3.08 / 4.60 ms (with XLA's add and norm); the epilogue with block_n 16
@@ -85,13 +69,6 @@ TARGET_PROGRAMS = 4 * 132  # four programs an SM on the H200's 132: enough loads
 MIN_STEPS = 4  # block_k steps a program at least (a longer loop pipelines its loads better)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Zero-centred RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-
-
 def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
     """The MLP's activation: silu(gate) rounded to the model dtype, times up (the exact product of two bf16
     values fits fp32, so this rounds once, as a bf16 multiply does)."""
@@ -99,22 +76,10 @@ def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
     return (act.astype(jnp.float32) * up.astype(jnp.float32)).astype(up.dtype)
 
 
-def prologue_ref(x: jax.Array, norm_weight=None, eps: float = 1e-6, glu: bool = False) -> jax.Array:
-    """What the product reads instead of x (module notes: Prologues)."""
-    if glu:
-        gate, up = jnp.split(x, 2, axis=-1)
-        x = silu_mul(gate, up)
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, eps)
-    return x
-
-
-def linear_ref(x: jax.Array, w: jax.Array, *, norm_weight=None, eps: float = 1e-6, glu: bool = False,
-               partials: bool = False, glu_out: bool = False) -> jax.Array:  # fmt: skip
-    """prologue(x) [..., K] @ w[N, K]^T with fp32 accumulation, x's dtype out (XLA's dot). norm_weight / eps /
-    glu: the prologue (module notes). partials: the fp32 sums unrounded, as [1, ..., N]. glu_out: w is the MLP's
-    [gate; up] and the result silu_mul(gate, up), [..., N / 2] (module notes)."""
-    x = prologue_ref(x, norm_weight, eps, glu)
+def linear_ref(x: jax.Array, w: jax.Array, *, partials: bool = False, glu_out: bool = False) -> jax.Array:
+    """x [..., K] @ w[N, K]^T with fp32 accumulation, x's dtype out (XLA's dot). partials: the fp32 sums unrounded,
+    as [1, ..., N]. glu_out: w is the MLP's [gate; up] and the result silu_mul(gate, up), [..., N / 2] (module
+    notes)."""
     out = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     if glu_out:
         return silu_mul(*jnp.split(out.astype(x.dtype), 2, axis=-1))
@@ -144,52 +109,25 @@ def _load_rows(ref, rows: int, col, width: int):
     return pltriton.load(ref.at[pl.ds(0, rows), pl.ds(col, width)], mask=valid, other=0)
 
 
-def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, rows: int, eps: float, glu: bool):
-    norm_ref, out_ref = refs if len(refs) == 2 else (None, *refs)
-    k = x_ref.shape[1] // 2 if glu else x_ref.shape[1]
+def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, rows: int):
     first = pl.program_id(1) * steps
 
-    def column(j):
-        return pl.multiple_of((first + j) * block_k, block_k)
-
-    def load_x(j):
-        if glu:
-            return _load_rows(x_ref, rows, column(j), block_k), _load_rows(x_ref, rows, k + column(j), block_k)
-        return _load_rows(x_ref, rows, column(j), block_k)
-
-    def product(j, acc, x):
+    def step(j, acc):  # x feeds the product as loaded, so Triton pipelines its load with w's
+        x = _load_rows(x_ref, rows, pl.multiple_of((first + j) * block_k, block_k), block_k)
         w = w_ref[:, pl.ds(pl.multiple_of(j * block_k, block_k), block_k)]
         return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    def plain(j, acc):  # x feeds the product as loaded: Triton pipelines its load with w's
-        return product(j, acc, load_x(j))
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((rows, out_ref.shape[-1]), jnp.float32))
+    _store_rows(out_ref, rows, acc.astype(out_ref.dtype))
 
-    def with_prologue(j, carry):
-        # x is computed on before the product, and Triton leaves such a load unpipelined (each step waited for
-        # an L2 round trip: products 3x slower on the H200, session 7), so each step fetches the next one's x.
-        acc, squares, x = carry
-        ahead = load_x(jnp.minimum(j + 1, steps - 1))
-        if glu:
-            x = silu_mul(*x)
-        if norm_ref is not None:  # sum the squares here, scale the products after the loop (notes)
-            x32 = x.astype(jnp.float32)
-            squares = squares + x32 * x32
-            x = (x32 * (1.0 + norm_ref[pl.ds(column(j), block_k)].astype(jnp.float32))[None, :]).astype(x.dtype)
-        return product(j, acc, x), squares, ahead
 
-    acc = jnp.zeros((rows, out_ref.shape[-1]), jnp.float32)
-    if norm_ref is None and not glu:
-        acc = lax.fori_loop(0, steps, plain, acc)
+def _store_rows(ref, rows: int, value) -> None:
+    """value [rows, width] into ref's first rows; the rows past M (tile padding) masked off."""
+    if ref.shape[0] == rows:
+        ref[...] = value
     else:
-        squares = jnp.zeros((rows, block_k), jnp.float32)
-        acc, squares, _ = lax.fori_loop(0, steps, with_prologue, (acc, squares, load_x(0)))
-        if norm_ref is not None:
-            acc = acc * lax.rsqrt(jnp.sum(squares, axis=1, keepdims=True) / k + eps)
-    if out_ref.shape[0] == rows:
-        out_ref[...] = acc.astype(out_ref.dtype)
-    else:
-        valid = jnp.arange(rows)[:, None] < out_ref.shape[0]
-        pltriton.store(out_ref.at[pl.ds(0, rows), :], acc.astype(out_ref.dtype), mask=valid)
+        valid = jnp.arange(rows)[:, None] < ref.shape[0]
+        pltriton.store(ref.at[pl.ds(0, rows), :], value, mask=valid)
 
 
 def _glu_out_kernel(x_ref, gate_ref, up_ref, out_ref, *, block_k: int, steps: int, rows: int):
@@ -205,11 +143,7 @@ def _glu_out_kernel(x_ref, gate_ref, up_ref, out_ref, *, block_k: int, steps: in
     zeros = jnp.zeros((rows, out_ref.shape[-1]), jnp.float32)
     gate, up = lax.fori_loop(0, steps, step, (zeros, zeros))
     act = silu_mul(gate.astype(out_ref.dtype), up.astype(out_ref.dtype))  # the rounding of linear_ref's glu_out
-    if out_ref.shape[0] == rows:
-        out_ref[...] = act
-    else:
-        valid = jnp.arange(rows)[:, None] < out_ref.shape[0]
-        pltriton.store(out_ref.at[pl.ds(0, rows), :], act, mask=valid)
+    _store_rows(out_ref, rows, act)
 
 
 def _glu_out_call(x2, w, block_n: int, block_k: int, num_warps, num_stages, interpret):
@@ -247,56 +181,45 @@ def fits_kernel(x_shape, w_shape, block_n: int, block_k: int) -> bool:
     )
 
 
-def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = False, partials: bool = False,
-                  glu_out: bool = False, fuse_prologue=None, block_n=None, block_k=None, splits=None,
+def linear_pallas(x, w, *, partials: bool = False, glu_out: bool = False, block_n=None, block_k=None, splits=None,
                   num_warps=None, num_stages=None, interpret=False):  # fmt: skip
-    """Pallas form of `linear_ref` (same layouts, prologues and rounding; fp32 sums in a different order).
-    fuse_prologue: the prologue in the kernel (True) or in XLA before it (False); None: FUSE_PROLOGUE. Rows
-    beyond MAX_ROWS, and shapes the tiles do not divide, take `linear_ref`. block_n / block_k / splits /
-    num_warps / num_stages: tiling, for sweeps (None: the defaults above, cut to the largest power of two
-    dividing N and K; splits from `default_splits`). An explicit block_n / block_k that does not divide N / K is
-    an error, not a silent fallback: a sweep must not time XLA's product under the kernel's name."""
+    """Pallas form of `linear_ref` (same layouts and rounding; fp32 sums in a different order). Rows beyond
+    MAX_ROWS, and shapes the tiles do not divide, take `linear_ref`. block_n / block_k / splits / num_warps /
+    num_stages: tiling, for sweeps (None: the defaults above, cut to the largest power of two dividing N and K;
+    splits from `default_splits`). An explicit block_n / block_k that does not divide N / K is an error, not a
+    silent fallback: a sweep must not time XLA's product under the kernel's name."""
     for given, size, name in ((block_n, w.shape[0], "block_n"), (block_k, w.shape[1], "block_k")):
         if given and size % given:
             raise ValueError(f"{name}={given} does not divide {size}")
     n, k = w.shape
-    if x.shape[-1] != (2 * k if glu else k):
-        raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={k}" + (" (glu: 2K)" if glu else ""))
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={k}")
     block_n = block_n or _tile(n // 2 if glu_out else n, GLU_OUT_BLOCK_N if glu_out else BLOCK_N)
     block_k = block_k or _tile(k, BLOCK_K)
     if glu_out:
         return _linear_glu_out(x, w, block_n, block_k, num_warps, num_stages, interpret)
     if not fits_kernel(x.shape, w.shape, block_n, block_k):
-        return linear_ref(x, w, norm_weight=norm_weight, eps=eps, glu=glu, partials=partials)
-    if not (FUSE_PROLOGUE if fuse_prologue is None else fuse_prologue):
-        x, norm_weight, glu = prologue_ref(x, norm_weight, eps, glu), None, False  # XLA's fusion computes it
+        return linear_ref(x, w, partials=partials)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if norm_weight is not None:  # each program sums its rows' squares over all of K (module notes)
-        if splits not in (None, 1):
-            raise ValueError(f"splits={splits}: the norm prologue needs all of K in each program (splits=1)")
-        splits = 1
     splits = splits or default_splits(n, k, block_n, block_k)
     steps = k // block_k // splits
     if steps * splits * block_k != k:
         raise ValueError(f"splits={splits} does not divide K={k} into block_k={block_k} steps")
     out_dtype = x.dtype if splits == 1 and not partials else jnp.float32
-    operands = (x2, w) if norm_weight is None else (x2, w, norm_weight)
-    norm_spec = [] if norm_weight is None else [pl.BlockSpec((k,), lambda i, s: (0,))]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, steps=steps, rows=pl.next_power_of_2(max(m, 16)), eps=eps,
-                          glu=glu),
+        functools.partial(_kernel, block_k=block_k, steps=steps, rows=pl.next_power_of_2(max(m, 16))),
         grid=(n // block_n, splits),
         in_specs=[pl.BlockSpec(x2.shape, lambda i, s: (0, 0)),
-                  pl.BlockSpec((block_n, steps * block_k), lambda i, s: (i, s)), *norm_spec],
+                  pl.BlockSpec((block_n, steps * block_k), lambda i, s: (i, s))],
         out_specs=pl.BlockSpec((None, m, block_n), lambda i, s: (s, 0, i)),
         out_shape=jax.ShapeDtypeStruct((splits, m, n), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS,
                                                 num_stages=num_stages or NUM_STAGES),
         interpret=interpret,
         name="linear",
-    )(*operands)  # fmt: skip
+    )(x2, w)  # fmt: skip
     if partials:
         return out.reshape(splits, *lead, n)
     out = out[0] if splits == 1 else out.sum(axis=0)
@@ -304,7 +227,7 @@ def linear_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, glu: bool = Fals
 
 
 def _linear_glu_out(x, w, block_n: int, block_k: int, num_warps, num_stages, interpret):
-    """linear_pallas(..., glu_out=True) (no prologue; the reference where the kernel does not fit)."""
+    """linear_pallas(..., glu_out=True) (the reference where the kernel does not fit)."""
     if w.shape[0] % 2 or not fits_kernel(x.shape, (w.shape[0] // 2, w.shape[1]), block_n, block_k):
         return linear_ref(x, w, glu_out=True)
     if not GLU_EPILOGUE:  # the plain kernel, then XLA's activation: the same numbers (GLU_EPILOGUE notes)

@@ -10,7 +10,7 @@ dtype. partials None: h' = h (the first layer's input norm).
 Why a kernel: XLA ran each of a decode step's 64 norm points as three small kernels (the split-K sum with the
 residual add, the sum of squares, the scale: H200 batch-1 profile of session 7, 190 launches and 0.26 ms of a
 3.03 ms step). XLA does not fuse a row reduction with the elementwise work that reads its result. Moving the
-norm into the products instead slowed them more than it saved (`kernels.linear`, FUSE_PROLOGUE).
+norm into the products instead slowed them more than it saved (session 7, docs/performance.md).
 
 Measured slower, so not the `pallas` set's default (`pallas+add_norm=triton` selects it). H200, session 9, 4B
 random weights, engine TPOT at batch 1 / 32: 3.21 / 4.82 ms with this kernel against 3.08 / 4.60 ms with XLA's
@@ -34,10 +34,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from qwen35_jax.kernels.linear import MAX_ROWS, rms_norm
+from qwen35_jax.kernels.linear import MAX_ROWS
 
 MAX_BLOCK = 1024
 NUM_WARPS = 8  # a row is one program: more threads, fewer registers each for the tiles in flight
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def add_rms_norm_ref(h: jax.Array, partials: jax.Array | None, weight: jax.Array, eps: float):

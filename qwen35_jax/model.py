@@ -23,7 +23,8 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
-from qwen35_jax.kernels.linear import linear_ref, rms_norm, silu_mul
+from qwen35_jax.kernels.linear import linear_ref, silu_mul
+from qwen35_jax.kernels.residual_norm import rms_norm
 
 # Fused weights (`fuse_weights`): each fused projection and the checkpoint's weights it concatenates, rows in
 # this order. The checkpoint layout (weights.py) is always the unfused one.
@@ -50,8 +51,8 @@ class Residual(NamedTuple):
     """The residual stream between layers: h plus the output of the product that ends a sublayer (o_proj,
     out_proj or down_proj), not yet added. `partials` [S, rows, hidden] fp32 are that product's split-K partial
     sums (`linear(..., partials=True)`; None: nothing pending). The add, its rounding and the next RMSNorm are
-    one call of the step's `Mixers.add_norm` (`kernels.residual_norm`: one kernel per norm point, where XLA
-    ran three)."""
+    one call of the step's `Mixers.add_norm`: XLA's operations in both kernel sets, or one kernel per norm point
+    with `add_norm=triton` (`kernels.residual_norm`, measured slower)."""
 
     h: jax.Array
     partials: jax.Array | None = None
@@ -145,8 +146,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def __call__(self, x, linear=matmul):
-        """The down product's fp32 partial sums (`Residual`). Fused, silu(gate) * up is the gate/up product's
-        epilogue (`kernels.linear`, glu_out); unfused, the model computes it."""
+        """The down product's fp32 partial sums (`Residual`). Fused, the gate/up product returns silu(gate) * up
+        (`kernels.linear`, glu_out); unfused, the model computes it."""
         if hasattr(self, "gate_up_proj"):
             act = linear(x, self.gate_up_proj.weight[...], glu_out=True)
             return linear(act, self.down_proj.weight[...], partials=True)
