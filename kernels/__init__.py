@@ -72,7 +72,7 @@ REF = Mixers(
 _PALLAS = (
     gdn_chunked_prefill_pallas, gdn_decode_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pallas,
     paged_decode_attention_pallas, prefill_attention_pallas, gdn_decode_pool_pallas, linear_pallas,
-    causal_conv1d_update_pool_pallas, add_rms_norm_ref,
+    causal_conv1d_update_pool_pallas,
 )  # fmt: skip
 # Each kernel is wrapped in its own jax.jit: a step calls the same kernel at the same shapes in many layers
 # (24 GDN and 8 attention layers at 4B), and JAX lowers a nested jit once per program and calls it from each
@@ -82,20 +82,13 @@ _PALLAS = (
 # the Mixers value, so these must be the same objects every time.
 # The products' switches (`kernels.linear`) are Python values the kernel is built from.
 _STATIC = {linear_pallas: ("partials", "glu_out")}
-# The add and norm stay XLA's in the `pallas` set: the one-kernel form measured slower on the H200 (session 9,
-# `kernels.residual_norm`), and is the named alternative `add_norm=triton`.
-_REFERENCE_IN_PALLAS = (add_rms_norm_ref,)
-PALLAS = Mixers(
-    "pallas", *(f if f in _REFERENCE_IN_PALLAS else jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS)
-)
+# The last field, the add and norm, is XLA's (REF's) in the `pallas` set too: the one-kernel form measured slower
+# on the H200 (session 9, `kernels.residual_norm`), and is the named alternative `add_norm=triton`.
+PALLAS = Mixers("pallas", *(jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS), REF.add_norm)
 PALLAS_INTERPRET = Mixers(
     "pallas-interpret",
-    *(
-        f
-        if f in _REFERENCE_IN_PALLAS
-        else jax.jit(functools.partial(f, interpret=True), static_argnames=_STATIC.get(f))
-        for f in _PALLAS
-    ),
+    *(jax.jit(functools.partial(f, interpret=True), static_argnames=_STATIC.get(f)) for f in _PALLAS),
+    REF.add_norm,
 )
 # Named alternatives of single kernels, {field: {name: (kernel, its interpret-mode form)}}, for swaps.
 ALTERNATIVES = {

@@ -114,11 +114,15 @@ def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, rows: int):
 
     def step(j, acc):  # x feeds the product as loaded, so Triton pipelines its load with w's
         x = _load_rows(x_ref, rows, pl.multiple_of((first + j) * block_k, block_k), block_k)
-        w = w_ref[:, pl.ds(pl.multiple_of(j * block_k, block_k), block_k)]
-        return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return acc + _times_rows(x, w_ref[:, pl.ds(pl.multiple_of(j * block_k, block_k), block_k)])
 
     acc = lax.fori_loop(0, steps, step, jnp.zeros((rows, out_ref.shape[-1]), jnp.float32))
     _store_rows(out_ref, rows, acc.astype(out_ref.dtype))
+
+
+def _times_rows(x, w):
+    """x [rows, block_k] @ w [block_n, block_k]^T on the tensor cores, fp32 sums."""
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _store_rows(ref, rows: int, value) -> None:
@@ -136,9 +140,7 @@ def _glu_out_kernel(x_ref, gate_ref, up_ref, out_ref, *, block_k: int, steps: in
     def step(j, accs):
         cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
         x = _load_rows(x_ref, rows, cols.start, block_k)
-        dims = (((1,), (1,)), ((), ()))
-        return tuple(acc + lax.dot_general(x, ref[:, cols], dims, preferred_element_type=jnp.float32)
-                     for acc, ref in zip(accs, (gate_ref, up_ref), strict=True))  # fmt: skip
+        return tuple(acc + _times_rows(x, ref[:, cols]) for acc, ref in zip(accs, (gate_ref, up_ref), strict=True))
 
     zeros = jnp.zeros((rows, out_ref.shape[-1]), jnp.float32)
     gate, up = lax.fori_loop(0, steps, step, (zeros, zeros))

@@ -47,10 +47,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
+def add_partials(h: jax.Array, partials: jax.Array | None) -> jax.Array:
+    """h + round(sum(partials, 0)): the product's output rounded to h's dtype, as `linear` rounds it, then added
+    (h itself when partials is None)."""
+    return h if partials is None else h + partials.sum(axis=0).astype(h.dtype)
+
+
 def add_rms_norm_ref(h: jax.Array, partials: jax.Array | None, weight: jax.Array, eps: float):
-    """(h + round(sum(partials, 0)), rms_norm of that): the model's add and norm as XLA computes them."""
-    if partials is not None:
-        h = h + partials.sum(axis=0).astype(h.dtype)
+    """(add_partials(h, partials), rms_norm of that): the model's add and norm as XLA computes them."""
+    h = add_partials(h, partials)
     return h, rms_norm(h, weight, eps)
 
 

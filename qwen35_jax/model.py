@@ -24,7 +24,7 @@ from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
 from qwen35_jax.kernels.linear import linear_ref, silu_mul
-from qwen35_jax.kernels.residual_norm import rms_norm
+from qwen35_jax.kernels.residual_norm import add_partials, rms_norm
 
 # Fused weights (`fuse_weights`): each fused projection and the checkpoint's weights it concatenates, rows in
 # this order. The checkpoint layout (weights.py) is always the unfused one.
@@ -59,9 +59,7 @@ class Residual(NamedTuple):
 
     def resolved(self) -> jax.Array:
         """h with the pending output added (the model's rounding: the product's output, then the sum)."""
-        if self.partials is None:
-            return self.h
-        return self.h + self.partials.sum(axis=0).astype(self.h.dtype)
+        return add_partials(self.h, self.partials)
 
 
 class Linear(nnx.Module):
