@@ -190,10 +190,10 @@ def linear_pallas(x, w, *, partials: bool = False, glu_out: bool = False, block_
     num_stages: tiling, for sweeps (None: the defaults above, cut to the largest power of two dividing N and K;
     splits from `default_splits`). An explicit block_n / block_k that does not divide N / K is an error, not a
     silent fallback: a sweep must not time XLA's product under the kernel's name."""
-    for given, size, name in ((block_n, w.shape[0], "block_n"), (block_k, w.shape[1], "block_k")):
-        if given and size % given:
-            raise ValueError(f"{name}={given} does not divide {size}")
     n, k = w.shape
+    for given, size, name in ((block_n, n // 2 if glu_out else n, "block_n"), (block_k, k, "block_k")):
+        if given and size % given:  # glu_out: block_n tiles each half of w
+            raise ValueError(f"{name}={given} does not divide {size}")
     if x.shape[-1] != k:
         raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={k}")
     block_n = block_n or _tile(n // 2 if glu_out else n, GLU_OUT_BLOCK_N if glu_out else BLOCK_N)

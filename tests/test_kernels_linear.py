@@ -83,6 +83,8 @@ def test_explicit_tiles_must_divide():
         linear_pallas(x, w, block_n=48, interpret=True)
     with pytest.raises(ValueError, match="block_k=384"):
         linear_pallas(x, w, block_k=384, interpret=True)
+    with pytest.raises(ValueError, match="block_n=64 does not divide 32"):  # glu_out: block_n tiles each half
+        linear_pallas(x, w, block_n=64, glu_out=True, interpret=True)
 
 
 def test_default_splits_reach_enough_programs_on_narrow_weights():
