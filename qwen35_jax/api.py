@@ -1,7 +1,8 @@
 """The stable Python API: `load_model(path_or_preset)` -> LoadedModel with .config, .tokenizer, .logits, .generate.
 
 `.logits` is one full prefill; `.generate` is a single-request loop (prefill, then one-token decode steps)
-over the same compiled step function the engine uses. Serving many requests goes through serving/engine.py.
+over the same model code, weight layout and kernels the engine uses. Serving many requests goes through
+serving/engine.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
 from qwen35_jax.cache import CacheSpec, new_cache
 from qwen35_jax.config import PRESETS, Qwen35Config, load_config, preset
 from qwen35_jax.kernels import Mixers, mixers
-from qwen35_jax.model import ModelDef, abstract_model, forward
+from qwen35_jax.model import ModelDef, abstract_model, forward, layout_for_platform
 from qwen35_jax.sampling import SamplingParams, sample_host
 from qwen35_jax.weights import is_orbax_folder, load_orbax, load_safetensors, random_params
 
@@ -51,9 +52,11 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class LoadedModel:
+    """A model ready to run: config, params in the platform's layout (`model.layout_for_platform`), the kernel set."""
+
     def __init__(self, cfg: Qwen35Config, params, dtype, tokenizer=None, kernels: str = "ref", page_size: int = 16):
         self.config = cfg
-        self.params = params
+        self.params = layout_for_platform(params)
         self.dtype = dtype
         self.tokenizer = tokenizer
         self.kernels = mixers(kernels)

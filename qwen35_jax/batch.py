@@ -1,7 +1,7 @@
 """The device-side inputs of one step: decode rows and prefill rows, already padded to their buckets.
 
 A step is *unified*: it may carry decode rows (one token each) and prefill rows (a chunk each) together.
-The dense layers run once over all their tokens; each token mixer runs per side (DESIGN §6).
+The dense layers run once over all their tokens; each token mixer runs per side (docs/architecture.md).
 Either side may be absent (None), which gives the decode-only and prefill-only programs.
 """
 

@@ -1,8 +1,8 @@
-"""Metrics for comparing engine logits with the HF goldens in tests/fixtures/golden (DESIGN §8).
+"""Metrics for comparing engine logits with the HF goldens in tests/fixtures/golden.
 
 `load_golden(case_dir)` reads one fixture case; `golden_runs(golden)` lists the token sequences to feed the engine
 with the HF rows they must match; `logprob_deltas`, `argmax_checks` and `bf16_stats` measure one comparison;
-`gate_report` turns the measurements into the §8 gate lines.
+`gate_report` turns the measurements into the gate lines (docs/accuracy.md).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def bf16_stats(ours_logits: np.ndarray, ref_logits: np.ndarray, top: int = TOP_L
 
 def gate_report(fp32_max_abs: float, engine_vs_hf_bf16: dict, engine_vs_hf_fp32: dict, hf_bf16_vs_hf_fp32: dict
                 ) -> list[tuple[str, float, float, bool]]:  # fmt: skip
-    """The DESIGN §8 gate as (check, value, limit, passed) lines.
+    """The bf16 gate (docs/accuracy.md) as (check, value, limit, passed) lines.
 
     engine_vs_hf_bf16: engine bf16 vs HF bf16 (same dtype); engine_vs_hf_fp32 / hf_bf16_vs_hf_fp32: the calibrated
     form, both bf16 paths against HF fp32 as truth. Stats dicts come from bf16_stats.

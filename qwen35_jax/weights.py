@@ -2,7 +2,9 @@
 and seeded random weights at any preset's shapes.
 
 The table is read off the Flax modules themselves: a parameter's module path *is* its HF key (with the
-layer index rebuilt from group and position), so each tensor is declared exactly once (model.py).
+layer index rebuilt from group and position), so each tensor is declared exactly once (model.py). A fused
+projection's weight is the concatenation of its checkpoint tensors' rows (`model.fused_parts`): the table lists
+them, and loading, checks and random init read each part under its own HF key.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from flax import nnx
 from safetensors import safe_open
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.model import abstract_model
+from qwen35_jax.model import abstract_model, fused_parts
 
 log = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")  # multi-token prediction head and vision tower: not for text
 TEXT_PREFIXES = ("model.language_model.", "model.")
 ORBAX_MARKER = "qwen35_jax_orbax.json"
+ORBAX_FORMAT = 2  # the params tree with fused projections (format 1 held the checkpoint's separate tensors)
 
 
 class CheckpointError(ValueError):
@@ -36,15 +39,26 @@ class CheckpointError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class WeightSpec:
-    path: tuple  # the parameter's path in the params tree ("top"|"groups", ...)
+class TensorSpec:
+    """One checkpoint tensor (or one per layer group)."""
+
     hf_keys: tuple[str, ...]  # one key, or one per layer group (stacked on axis 0)
     shape: tuple[int, ...]  # shape of one tensor as stored in the checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    path: tuple  # the parameter's path in the params tree ("top"|"groups", ...)
+    parts: tuple[TensorSpec, ...]  # checkpoint tensors whose rows it concatenates, in order (one: not fused)
     dtype: np.dtype
 
     @property
     def stacked(self) -> bool:
         return self.path[0] == "groups"
+
+    @property
+    def hf_keys(self) -> tuple[str, ...]:
+        return tuple(key for part in self.parts for key in part.hf_keys)
 
 
 def _names(path) -> tuple:
@@ -59,23 +73,34 @@ def _hf_keys(cfg: Qwen35Config, names: tuple) -> tuple[str, ...]:
     return tuple(f"layers.{g * cfg.group_size + position}.{tail}" for g in range(cfg.num_groups))
 
 
+def _parts(cfg: Qwen35Config, names: tuple, shape: tuple[int, ...]) -> tuple[TensorSpec, ...]:
+    """The checkpoint tensors of the parameter at `names` with (per-layer) shape `shape`."""
+    fused = fused_parts(cfg).get(names[-2])
+    if fused is None:
+        return (TensorSpec(_hf_keys(cfg, names), shape),)
+    return tuple(TensorSpec(_hf_keys(cfg, (*names[:-2], part, names[-1])), (rows, *shape[1:])) for part, rows in fused)
+
+
 def weight_specs(cfg: Qwen35Config, dtype) -> list[WeightSpec]:
     _, abstract = abstract_model(cfg, dtype)
     specs = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         names = _names(path)
         shape = tuple(leaf.shape[1:]) if names[0] == "groups" else tuple(leaf.shape)
-        specs.append(WeightSpec(names, _hf_keys(cfg, names), shape, np.dtype(leaf.dtype)))
+        specs.append(WeightSpec(names, _parts(cfg, names, shape), np.dtype(leaf.dtype)))
     return specs
 
 
 def build_params(cfg: Qwen35Config, dtype, tensor_for: callable) -> dict:
-    """Params tree on the device, each leaf from tensor_for(spec) -> numpy array of the stacked shape."""
-    model_def, abstract = abstract_model(cfg, dtype)
+    """Params tree on the device (group params stacked), each leaf from tensor_for(spec, part) -> numpy array of
+    the part's stacked shape; a fused leaf concatenates its parts' rows."""
+    _, abstract = abstract_model(cfg, dtype)
     by_path = {spec.path: spec for spec in weight_specs(cfg, dtype)}
 
     def fill(path, leaf):
-        return jnp.asarray(tensor_for(by_path[_names(path)]), dtype=leaf.dtype)
+        spec = by_path[_names(path)]
+        parts = [tensor_for(spec, part) for part in spec.parts]
+        return jnp.asarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2), dtype=leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(fill, abstract)
 
@@ -134,7 +159,7 @@ class SafetensorsReader:
 
 
 def check_coverage(reader: SafetensorsReader, specs: list[WeightSpec]) -> None:
-    expected = {key: spec.shape for spec in specs for key in spec.hf_keys}
+    expected = {key: part.shape for spec in specs for part in spec.parts for key in part.hf_keys}
     missing = sorted(set(expected) - set(reader.entries))
     if missing:
         raise CheckpointError(f"{reader.folder}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -162,8 +187,8 @@ def load_safetensors(folder: str | Path, cfg: Qwen35Config, dtype) -> dict:
         kinds = sorted({k.split(".")[0] if k.startswith("mtp.") else "model.visual" for k in reader.skipped})
         log.info("skipping %d tensors on purpose (%s): not used for text serving", len(reader.skipped), kinds)
 
-    def tensor_for(spec: WeightSpec) -> np.ndarray:
-        arrays = [_as_dtype(reader.read(key), spec.dtype) for key in spec.hf_keys]
+    def tensor_for(spec: WeightSpec, part: TensorSpec) -> np.ndarray:
+        arrays = [_as_dtype(reader.read(key), spec.dtype) for key in part.hf_keys]
         return np.stack(arrays) if spec.stacked else arrays[0]
 
     return build_params(cfg, dtype, tensor_for)
@@ -185,7 +210,7 @@ def save_orbax(params, cfg_json: dict, dst: str | Path, dtype_name: str) -> None
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(dst / "params", {"top": top, "groups": groups}, force=True)
     (dst / "config.json").write_text(json.dumps(cfg_json, indent=2))
-    (dst / ORBAX_MARKER).write_text(json.dumps({"dtype": dtype_name, "format": 1}))
+    (dst / ORBAX_MARKER).write_text(json.dumps({"dtype": dtype_name, "format": ORBAX_FORMAT}))
 
 
 def is_orbax_folder(folder: Path) -> bool:
@@ -196,6 +221,10 @@ def load_orbax(folder: str | Path, cfg: Qwen35Config, dtype) -> dict:
     import orbax.checkpoint as ocp
 
     folder = Path(folder).absolute()
+    found = json.loads((folder / ORBAX_MARKER).read_text()).get("format")
+    if found != ORBAX_FORMAT:
+        raise CheckpointError(f"{folder}: orbax layout format {found}, this version reads {ORBAX_FORMAT}: convert the "
+                              "HF folder again (qwen35-jax convert SRC DST)")  # fmt: skip
     _, abstract = abstract_model(cfg, dtype)
     target = {"top": nnx.to_pure_dict(abstract["top"]), "groups": nnx.to_pure_dict(abstract["groups"])}
     with ocp.StandardCheckpointer() as ckpt:
@@ -233,19 +262,22 @@ def _random_tensor(key: jax.Array, name: str, shape, dtype, scale: float) -> jax
 
 
 def random_params(cfg: Qwen35Config, dtype, seed: int = 0, scale: float = 1.0) -> dict:
-    """Seeded random weights at cfg's shapes (for tests and random-weight benchmarks)."""
+    """Seeded random weights at cfg's shapes (for tests and random-weight benchmarks): each checkpoint tensor is
+    drawn from its own HF key, so a fused weight holds the values its parts would."""
     start = time.perf_counter()
-    model_def, abstract = abstract_model(cfg, dtype)
+    _, abstract = abstract_model(cfg, dtype)
     by_path = {spec.path: spec for spec in weight_specs(cfg, dtype)}
     root = jax.random.key(seed)
 
+    def draw(spec: WeightSpec, part: TensorSpec, dtype) -> jax.Array:
+        keys = [jax.random.fold_in(root, zlib_crc(k)) for k in part.hf_keys]
+        arrays = [_random_tensor(k, name, part.shape, dtype, scale) for k, name in zip(keys, part.hf_keys, strict=True)]
+        return jnp.stack(arrays) if spec.stacked else arrays[0]
+
     def fill(path, leaf):
         spec = by_path[_names(path)]
-        keys = [jax.random.fold_in(root, zlib_crc(k)) for k in spec.hf_keys]
-        arrays = [
-            _random_tensor(k, name, spec.shape, leaf.dtype, scale) for k, name in zip(keys, spec.hf_keys, strict=True)
-        ]
-        return jnp.stack(arrays) if spec.stacked else arrays[0]
+        parts = [draw(spec, part, leaf.dtype) for part in spec.parts]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-2)
 
     params = jax.tree_util.tree_map_with_path(fill, abstract)
     jax.block_until_ready(params)

@@ -62,21 +62,6 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--compile-cache", default=str(DEFAULT_COMPILE_CACHE),
                    help="persistent XLA compilation cache folder ('' or 'off' to disable)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of random weights for presets")
-    p.add_argument(
-        "--layer-loop",
-        default=defaults.layer_loop,
-        help="auto (unstacked on a GPU, scan elsewhere) | scan (compile time independent of depth) | unstacked "
-        "(per-group weight arrays: faster steps on a GPU, longer cold compiles)",
-    )
-    p.add_argument(
-        "--gdn-state",
-        default=defaults.gdn_state,
-        help="in_pool (decode rows' GDN states updated in the slot pool) | gather (gathered and scattered each step)",
-    )
-    p.add_argument("--fused-mlp", default="on" if defaults.fused_mlp else "off",
-                   help="on|off: the MLP's gate and up weights as one (one product instead of two)")  # fmt: skip
-    p.add_argument("--fused-qkv", default="on" if defaults.fused_qkv else "off",
-                   help="on|off: each layer's input projections as one weight (GDN qkv/z/b/a; attention q/k/v)")  # fmt: skip
     p.add_argument("--trace-steps", action="store_true", help="log every step's plan (ITL_STEP lines)")
     p.set_defaults(handler=run_serve)
 
@@ -89,16 +74,11 @@ def engine_config(args, max_position_embeddings: int):
     if max_model_len is None:
         max_model_len = min(EngineConfig.max_model_len, max_position_embeddings)
     cache = None if args.compile_cache in ("", "off") else args.compile_cache
-    for flag, value in (("--fused-mlp", args.fused_mlp), ("--fused-qkv", args.fused_qkv)):
-        if value not in ("on", "off"):
-            raise FlagError(f"{flag} must be on|off, got {value!r}")
     try:
         return EngineConfig(
             max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, max_model_len=max_model_len,
             gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
             scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap, compile_cache=cache,
-            layer_loop=args.layer_loop, gdn_state=args.gdn_state, fused_mlp=args.fused_mlp == "on",
-            fused_qkv=args.fused_qkv == "on",
         )  # fmt: skip
     except ValueError as err:
         raise FlagError(str(err)) from None

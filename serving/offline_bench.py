@@ -27,7 +27,7 @@ from qwen35_jax.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S
 def parameter_count(cfg) -> int:
     from qwen35_jax.weights import weight_specs
 
-    return sum(int(np.prod(s.shape)) * len(s.hf_keys) for s in weight_specs(cfg, np.float32))
+    return sum(int(np.prod(p.shape)) * len(p.hf_keys) for s in weight_specs(cfg, np.float32) for p in s.parts)
 
 
 def decode_floor_bytes(cfg, batch: int, context: int, dtype_bytes: int = 2) -> int:
@@ -163,30 +163,13 @@ def build(args, model, batches: list[int], chunks: list[int], max_model_len: int
 
     config = EngineConfig(
         max_batch=batches[-1], max_prefill_tokens=chunks[-1], max_model_len=max_model_len,
-        gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache, layer_loop=args.layer_loop,
-        gdn_state=args.gdn_state, xla_options=parse_xla_options(args.xla_option), fused_mlp=args.fused_mlp == "on",
-        fused_qkv=args.fused_qkv == "on",
+        gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache,
     )  # fmt: skip
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=tuple(batches), prefill_rows=(1,), chunk=tuple(chunks))
     start = time.perf_counter()
     engine.runner.compile_all()
     return engine, time.perf_counter() - start
-
-
-def parse_xla_options(items: list[str] | None) -> tuple:
-    """["name=value", ...] -> ((name, value), ...), with true/false as bools and integers as ints."""
-    options = []
-    for item in items or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ValueError(f"--xla-option wants NAME=VALUE, got {item!r}")
-        if value.lower() in ("true", "false"):
-            value = value.lower() == "true"
-        elif value.lstrip("-").isdigit():
-            value = int(value)
-        options.append((name, value))
-    return tuple(options)
 
 
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "no room for the KV pool", "does not fit")
@@ -240,25 +223,6 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.85)
     parser.add_argument("--compile-cache", default=None)
-    parser.add_argument(
-        "--layer-loop",
-        default="auto",
-        choices=("auto", "scan", "unrolled", "unstacked"),
-        help="A/B of the layer loop (unstacked: per-group weight arrays, see model.unstack_groups)",
-    )
-    parser.add_argument(
-        "--gdn-state",
-        default="in_pool",
-        choices=("gather", "in_pool"),
-        help="A/B: decode rows' GDN states gathered and scattered, or updated in the pool",
-    )
-    parser.add_argument("--fused-mlp", default="on", choices=("on", "off"),
-                        help="A/B: the MLP's gate and up weights as one product (EngineConfig.fused_mlp)")  # fmt: skip
-    parser.add_argument("--fused-qkv", default="on", choices=("on", "off"),
-                        help="A/B: each layer's input projections as one product (EngineConfig.fused_qkv)")  # fmt: skip
-    parser.add_argument("--xla-option", action="append", default=None, metavar="NAME=VALUE",
-                        help="an XLA compile option for every program (A/B), e.g. xla_gpu_enable_triton_gemm=false; "
-                             "repeatable")  # fmt: skip
     parser.add_argument("--ready-only", action="store_true", help="build and compile, report times, exit")
     parser.add_argument("--max-batch-search", default=None,
                         help="e.g. 256,384,512,768: after the decode runs, the largest of these batches that fits "
@@ -266,21 +230,17 @@ def main(argv=None) -> None:
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args(argv)
     from qwen35_jax.api import load_model
-    from qwen35_jax.serving.factory import resolve_layer_loop
 
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, kernels=args.kernels)
     args.kernels = model.kernels.name
-    args.layer_loop = resolve_layer_loop(args.layer_loop)
     load_s = time.perf_counter() - start
     batches = sorted(int(b) for b in args.batches.split(","))
     chunks = sorted(int(t) for t in args.prefill.split(","))
     rng = np.random.default_rng(0)
     # Decode: the page table spans only context + generated tokens, as a server sized for it would.
     engine, compile_decode = build(args, model, batches, [args.context], args.context + batches[-1] + args.steps + 32)
-    result = {"model": args.model, "kernels": args.kernels, "layer_loop": args.layer_loop,
-              "gdn_state": args.gdn_state, "fused_mlp": args.fused_mlp, "fused_qkv": args.fused_qkv, "xla_options": args.xla_option or [],
-              "load_s": load_s,
+    result = {"model": args.model, "kernels": args.kernels, "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)
     save_json(args.result_json, result)

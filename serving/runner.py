@@ -144,12 +144,11 @@ class StepHandle:
 
 class Runner:
     def __init__(self, model_def: ModelDef, params, mixer_set: Mixers, spec: CacheSpec, buckets: Buckets,
-                 max_model_len: int, num_top_logprobs: int = 20, compiler_options: dict | None = None):  # fmt: skip
+                 max_model_len: int, num_top_logprobs: int = 20):  # fmt: skip
         self.model_def, self.params, self.mixers = model_def, params, mixer_set
         self.spec, self.buckets = spec, buckets
         self.page_table_width = -(-max_model_len // spec.page_size)
         self.num_top = num_top_logprobs
-        self.compiler_options = dict(compiler_options or {})  # XLA options of every program (A/B runs)
         self.trash_slot = spec.num_slots - 1
         self.cache = new_cache(model_def.cfg, spec, model_def.dtype)
         self.token_state = jnp.zeros(spec.num_slots, jnp.int32)
@@ -159,7 +158,7 @@ class Runner:
         self.row_executables: dict[tuple[str, int], object] = {}  # by (ROW_PROGRAMS kind, output rows B + P)
         self.row_compile_seconds: dict[tuple[str, int], float] = {}
         # The programs take the weights as a flat list: flattening the nnx tree runs Python per variable, which
-        # at 4B with --layer-loop unstacked (426 arrays) cost ~0.35 ms of host time per step on this CPU.
+        # at 4B with per-group weights (426 arrays) cost ~0.35 ms of host time per step.
         self._param_leaves, treedef = jax.tree.flatten(params)
         self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set), donate_argnums=(1, 2))
         self._row_jitted = {"sample": jax.jit(sampler_step, donate_argnums=(2,)),
@@ -229,9 +228,9 @@ class Runner:
         return self._row_jitted["sample"].lower(logits, rows, self.token_state, i32((r,)), i32((r,)))
 
     def _timed_compile(self, lowered, lower_seconds: float) -> tuple[object, float]:
-        """XLA's compile of a lowered program, with this runner's options; (executable, lower + compile seconds)."""
+        """XLA's compile of a lowered program; (executable, lower + compile seconds)."""
         start = time.perf_counter()
-        executable = lowered.compile(compiler_options=self.compiler_options or None)
+        executable = lowered.compile()
         return executable, lower_seconds + time.perf_counter() - start
 
     @staticmethod

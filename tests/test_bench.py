@@ -115,41 +115,6 @@ def test_largest_batch_does_not_hide_other_errors():
         largest_batch([1, 2], try_batch)
 
 
-def test_xla_options_are_parsed_with_their_types():
-    import pytest
-
-    from qwen35_jax.serving.offline_bench import parse_xla_options
-
-    parsed = parse_xla_options(["xla_gpu_enable_triton_gemm=false", "xla_gpu_graph_min_graph_size=1",
-                                "xla_gpu_enable_command_buffer=FUSION,CUBLAS", "xla_gpu_enable_command_buffer="])  # fmt: skip
-    assert parsed == (("xla_gpu_enable_triton_gemm", False), ("xla_gpu_graph_min_graph_size", 1),
-                      ("xla_gpu_enable_command_buffer", "FUSION,CUBLAS"), ("xla_gpu_enable_command_buffer", ""))  # fmt: skip
-    assert parse_xla_options(None) == ()
-    with pytest.raises(ValueError, match="NAME=VALUE"):
-        parse_xla_options(["xla_gpu_enable_triton_gemm"])
-
-
-def test_xla_options_reach_every_compile(tiny_model):
-    """EngineConfig.xla_options go to XLA with each program: a known option compiles, an unknown one is
-    refused by XLA itself (so a typo in an A/B run fails instead of measuring the default)."""
-    import jax
-    import pytest
-
-    from qwen35_jax.serving.factory import EngineConfig, build_engine
-
-    def config(options):
-        return EngineConfig(max_batch=1, max_prefill_tokens=16, max_model_len=64, num_pages=8, compile_cache=None,
-                            xla_options=options)  # fmt: skip
-
-    engine = build_engine(tiny_model, config((("xla_cpu_enable_fast_math", False),)))
-    assert engine.runner.compiler_options == {"xla_cpu_enable_fast_math": False}
-    assert engine.runner.num_compiles == 3 and engine.runner.num_row_compiles == 4
-    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_option"):
-        build_engine(tiny_model, config((("xla_no_such_option", 1),)))
-    with pytest.raises(ValueError, match="--xla-option"):
-        config((("gpu_enable_triton_gemm", 1),))
-
-
 def test_a_batch_the_kv_pool_cannot_hold_is_refused_before_it_runs(tiny_model):
     """The largest-batch search must stop at a batch whose reservations exceed the KV pool (it would never
     decode in full, and its steady steps would not exist), and count it as "does not fit", not as a bug."""

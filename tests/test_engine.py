@@ -789,71 +789,24 @@ def test_trace_steps_logs_one_itl_step_line_per_step(engine, caplog):
     assert [line.split()[2] for line in lines] == ["plan=prefill", "plan=decode", "plan=decode"]
 
 
-def test_unstacked_layer_loop_serves_the_same_tokens(engines, engine):
-    """--layer-loop unstacked (per-group weight arrays, a Python loop) gives the scan engine's greedy tokens.
-    A model of its own: building the engine unstacks the model's weights in place."""
+def test_the_gpu_weight_layout_serves_the_same_tokens(engines, engine, monkeypatch):
+    """Per-group weights (the GPU's layout, a Python loop over the groups) give the scan engine's greedy tokens,
+    unified steps included (decode rows' states updated in the pool while a prefill chunk's rows are gathered and
+    scattered). A model of its own: the layout replaces its params."""
     from qwen35_jax.api import load_model
+    from qwen35_jax.model import layout_for_platform
 
     model = load_model("tiny", dtype="float32")
-    unstacked = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, layer_loop="unstacked")
+    model.params = layout_for_platform(model.params, platform="gpu")
+    per_group = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512)
     try:
-        assert isinstance(model.params["groups"], tuple) and model.model_def.layer_loop == "unstacked"
-        requests = [(prompt(n, seed=300 + n), greedy(m)) for n, m in [(5, 6), (40, 5), (70, 4)]]
-        for got, want in zip(generate(unstacked, requests), generate(engine, requests), strict=True):
-            assert_same_greedy(got, want)
-    finally:
-        engines.release(unstacked)
-
-
-def test_unfused_engine_serves_the_same_tokens(engines, engine, tiny_model):
-    """--fused-mlp on and --fused-qkv on (the defaults: gate/up and each layer's input projections as one weight
-    each, fused at build before unstacking) and both off give the same greedy tokens, unified steps included, with
-    the unstacked loop. A model of its own: building an engine replaces its weights. One engine for both flags: a
-    mistake in either fusion changes the default engine's tokens against this one."""
-    from qwen35_jax.api import load_model
-
-    model = load_model("tiny", dtype="float32")
-    unfused = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, fused_mlp=False,
-                            fused_qkv=False, layer_loop="unstacked")  # fmt: skip
-    try:
-        assert tiny_model.model_def.fused_qkv and tiny_model.model_def.fused_mlp, "the default engine fuses both"
-        assert not model.model_def.fused_qkv and not model.model_def.fused_mlp
-        assert model.model_def.layer_loop == "unstacked"
-        requests = [(prompt(n, seed=400 + n), greedy(m)) for n, m in [(5, 6), (40, 5)]]
-        for got, want in zip(generate(unfused, requests), generate(engine, requests), strict=True):
-            assert_same_greedy(got, want)
-    finally:
-        engines.release(unfused)
-
-
-def test_auto_layer_loop_is_unstacked_on_a_gpu_only():
-    """--layer-loop auto (the default): unstacked on a GPU (faster steps there, ready in 24 s warm at 4B), scan on
-    a CPU (compile time); explicit choices pass through."""
-    from qwen35_jax.serving.factory import EngineConfig, resolve_layer_loop
-
-    assert EngineConfig().layer_loop == "auto"
-    assert resolve_layer_loop("auto", "gpu") == "unstacked"
-    assert resolve_layer_loop("auto", "cpu") == "scan"
-    assert resolve_layer_loop("scan", "gpu") == "scan" and resolve_layer_loop("unstacked", "cpu") == "unstacked"
-
-
-def test_in_pool_gdn_state_serves_the_same_tokens(engines, engine, monkeypatch):
-    """gdn_state "in_pool" (the default) through the engine, unified steps included (decode rows updated in
-    the pool while a prefill chunk's rows are gathered and scattered): the gather engine's greedy tokens."""
-    from qwen35_jax.api import load_model
-
-    assert engine.runner.model_def.gdn_state == "in_pool"
-    model = load_model("tiny", dtype="float32")
-    gather = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512, gdn_state="gather")
-    try:
-        assert model.model_def.gdn_state == "gather"
-        spy = StepSpy(engine.runner, monkeypatch)
+        spy = StepSpy(per_group.runner, monkeypatch)
         requests = [(prompt(n, seed=400 + n), greedy(m)) for n, m in [(5, 8), (70, 5), (40, 6)]]
-        for got, want in zip(generate(engine, requests), generate(gather, requests), strict=True):
+        for got, want in zip(generate(per_group, requests), generate(engine, requests), strict=True):
             assert_same_greedy(got, want)
         assert any(b and p for b, p, _ in spy.keys), "no unified step ran"
     finally:
-        engines.release(gather)
+        engines.release(per_group)
 
 
 def test_programs_have_no_device_branch(engine):

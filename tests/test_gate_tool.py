@@ -33,29 +33,7 @@ def test_swaps_replace_only_the_named_mixers(gate):
     assert mix.prefill_attention is PALLAS.prefill_attention and mix.conv_prefill is PALLAS.conv_prefill
 
 
-def test_bf16_gdn_prefill_and_unknown_mixers(gate):
-    _, mix = gate.kernel_set("pallas+gdn_prefill=pallas-bf16")
-    assert mix.gdn_prefill is not PALLAS.gdn_prefill and mix.decode_attention is PALLAS.decode_attention
-    with pytest.raises(ValueError, match="a swap is KERNEL=SET"):
-        gate.kernel_set("pallas+attention=ref")
-
-
-def test_the_gate_runs_the_model_as_the_engine_serves_it(gate):
-    """The gate compares the model in the engine's default form (fused weights, in-pool GDN states), and that
-    form gives the checkpoint layout's logits on the tiny model. Tolerance 1e-3 on logits of std ~0.16: in-pool
-    states and the fused MLP are bit-identical here; the fused input projections' wider CPU GEMMs differ by a few
-    fp32 ulps, which this prompt's GDN recurrence carries to 2.5e-4 at token 6 (measured; 1e-6 at token 0; 2.7e-5
-    for tests/test_model.py's prompt); a mis-split or mis-ordered fused weight moves logits by O(0.1)."""
-    import numpy as np
-
-    from qwen35_jax.api import load_model
-    from qwen35_jax.serving.factory import EngineConfig
-
-    model = load_model("tiny", dtype="float32")
-    tokens = [int(t) for t in np.random.default_rng(3).integers(3, 500, 40)]
-    before = model.logits_incremental(tokens, decode_from=30)
-    served = gate.as_the_engine_serves(model)
-    defaults = EngineConfig()
-    assert served == {"fused_mlp": defaults.fused_mlp, "fused_qkv": defaults.fused_qkv, "gdn_state": defaults.gdn_state}
-    assert model.model_def.fused_qkv and model.model_def.fused_mlp and model.model_def.gdn_state == "in_pool"
-    np.testing.assert_allclose(model.logits_incremental(tokens, decode_from=30), before, atol=1e-3, rtol=0)
+def test_unknown_mixers_and_sets_are_refused(gate):
+    for bad in ("pallas+attention=ref", "pallas+gdn_prefill=triton", "pallas+gdn_prefill"):
+        with pytest.raises(ValueError, match="a swap is KERNEL=SET"):
+            gate.kernel_set(bad)

@@ -2,7 +2,7 @@
 
 Each golden path is computed the way serving computes it: a full prefill, prefill then one-token decode
 steps through the caches, and chunked prefill continuing from cached KV and GDN state.
-Tolerances (DESIGN §8):
+Tolerances (the gate of docs/accuracy.md):
 - fp32: max |Δlogit| <= 2e-4. Both sides are fp32 end to end; what is left is summation order
   (chunked GDN solve, GEMM blocking), measured at <= 2e-5 here, and HF disagrees with itself between
   its own full and chunked paths by up to ~1e-5 on these models.

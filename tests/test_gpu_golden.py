@@ -1,4 +1,4 @@
-"""The bf16 golden gate at Qwen3.5-4B shapes on the GPU (DESIGN §8): HF transformers builds and runs a
+"""The bf16 golden gate at Qwen3.5-4B shapes on the GPU (docs/accuracy.md): HF transformers builds and runs a
 seeded random model, this project loads the saved safetensors folder. Needs torch + transformers 5.17."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Execute the notebooks top to bottom with nbclient; the test fails if any cell raises.
 
-notebooks/accuracy.ipynb compares the engine with the HF goldens and ends in an assert on the DESIGN §8 gate, so
+notebooks/accuracy.ipynb compares the engine with the HF goldens and ends in an assert on the gate of docs/accuracy.md, so
 this is also the accuracy regression test.
 
 Kernel: nbclient starts the kernelspec named "python3". To make that this interpreter (this venv, where qwen35_jax is

@@ -105,8 +105,8 @@ def test_table_declares_every_layer_once():
 
 def test_published_shapes_count_parameters():
     specs = weight_specs(preset("4b"), np.float32)
-    total = sum(int(np.prod(s.shape)) * len(s.hf_keys) for s in specs)
-    assert total == pytest.approx(4.206e9, rel=1e-3)  # DESIGN §2: 4.206 B parameters
+    total = sum(int(np.prod(part.shape)) * len(part.hf_keys) for s in specs for part in s.parts)
+    assert total == pytest.approx(4.206e9, rel=1e-3)  # the published 4.206 B parameters
 
 
 def test_sharded_and_single_file_layouts_load():
@@ -121,3 +121,28 @@ def test_convert_to_orbax_round_trips(tmp_path):
     original = load_model(SHARDED_CASE, dtype="float32").logits(PROMPT)
     converted = load_model(dst, dtype="float32").logits(PROMPT)
     np.testing.assert_array_equal(converted, original)  # the same weights: bit-identical logits
+
+
+def test_fused_weights_are_the_checkpoint_tensors_rows_in_order():
+    """The GDN in_proj is [qkv | z | b | a], attention's qkv_proj [q | k | v], the MLP's gate_up_proj [gate | up],
+    each part exactly the checkpoint's tensor (fp32: no rounding on the way)."""
+    tensors = load_file(TEXT_CASE / "model.safetensors")
+    model = load_model(TEXT_CASE, dtype="float32")
+    cfg, layers = model.config, model.params["groups"]["layers"]
+    attention = cfg.group_size - 1
+    for position, module, fused, parts in (
+        (0, "linear_attn", "in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+        (attention, "self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        (0, "mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+    ):
+        weight = np.asarray(layers[position][module][fused]["weight"][...])[1]  # group 1: layer group_size + position
+        expected = [tensors[f"model.layers.{cfg.group_size + position}.{module}.{part}.weight"] for part in parts]
+        np.testing.assert_array_equal(weight, np.concatenate(expected))
+
+
+def test_orbax_folder_of_an_older_layout_asks_for_a_new_conversion(tmp_path):
+    dst = tmp_path / "converted"
+    assert cli_main(["convert", str(TEXT_CASE), str(dst), "--dtype", "float32"]) == 0
+    (dst / "qwen35_jax_orbax.json").write_text(json.dumps({"dtype": "float32", "format": 1}))
+    with pytest.raises(CheckpointError, match="convert the HF folder again"):
+        load_model(dst, dtype="float32")

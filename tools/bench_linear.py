@@ -1,19 +1,18 @@
 """Micro-benchmark of the decode step's weight products at 4B shapes (GPU only): x [batch, in] @ W[out, in]^T in
-the model's formulation (fp32 result, rounded to bf16: `model.matmul`) and with a bf16 result, each with XLA's
+the model's formulation (fp32 result, rounded to bf16: `linear_ref`) and with a bf16 result, each with XLA's
 Triton GEMM emitter on and off (cuBLAS), beside its memory roofline (the bf16 weight read once).
 
     JAX_PLATFORMS=cuda python tools/bench_linear.py --batch 1 64 --json linear.json
 
-Why: the batch-1 decode profile (docs/performance.md, session 4) has the weight GEMVs at 49-67% of HBM bandwidth;
+Why: the batch-1 decode profile (docs/performance.md) had XLA's weight GEMVs at 49-67% of HBM bandwidth;
 with the Triton emitter off, XLA converted every weight to fp32 before cuBLAS because the model asks for an
 fp32 result. A bf16 result (fp32 accumulation inside the product either way) lets cuBLAS read bf16 weights.
 
 Each timed program runs --copies products on distinct weight copies and distinct inputs (nothing shared, so XLA
 can neither merge the products nor serve a weight from the 50 MB L2). The time per product is device time: the
 sum of every kernel the program ran (the product and any split-K reduction after it) in a jax.profiler trace of
---repeats runs, divided by repeats x copies. Session 5 timed wall-clock slopes between programs of 16 and 8
-products instead, and repeated cases moved by up to 2x between runs (impossible figures above 100% among them):
-the launch jitter was of the size of the work. The error column is the largest |difference| from an fp32 product
+--repeats runs, divided by repeats x copies (wall-clock slopes between programs moved by up to 2x between runs:
+the launch jitter is of the size of the work). The error column is the largest |difference| from an fp32 product
 of the same bf16 operands, relative to that product's largest |value|.
 """
 
@@ -25,19 +24,16 @@ import sys
 
 from jax_timing import parse_gpu_benchmark_args, roofline_row
 
-from qwen35_jax.kernels.linear import MAX_ROWS
+from qwen35_jax.kernels.linear import LinearTuning
 from qwen35_jax.roofline import HBM_BYTES_PER_S
 
-# (name, out, in) at 4B: the products of one decode step; the first five are the default engine's (fused weights).
+# (name, out, in) at 4B: the products of one decode step (the model's fused weights).
 SHAPES_4B = (
-    ("gdn_in_proj", 12352, 2560),  # --fused-qkv: qkv, z, b, a
-    ("mlp_gate_up", 18432, 2560),  # --fused-mlp
+    ("gdn_in_proj", 12352, 2560),  # qkv, z, b, a
+    ("mlp_gate_up", 18432, 2560),
     ("mlp_down", 2560, 9216),
     ("out_proj", 2560, 4096),  # GDN out_proj and attention o_proj (both [hidden, 4096])
-    ("attn_qkv", 10240, 2560),  # --fused-qkv: q (with its gate), k, v
-    ("gdn_qkv_z", 12288, 2560),
-    ("mlp_gate", 9216, 2560),
-    ("attn_q", 8192, 2560),
+    ("attn_qkv", 10240, 2560),  # q (with its gate), k, v
 )
 
 
@@ -57,17 +53,20 @@ def formulations():
 
 
 def pallas_tilings(args):
-    """(label, linear_pallas with that tiling) for each point of the sweep grid (0: the kernel's default)."""
+    """(label, tiling, linear_pallas with that LinearTuning) for each point of the sweep grid (0: the default)."""
+    import dataclasses
     import functools
     import itertools
 
     from qwen35_jax.kernels.linear import linear_pallas
 
+    default = LinearTuning()
     grid = itertools.product(args.block_n, args.block_k, args.splits, args.warps, args.stages)
     for block_n, block_k, splits, warps, stages in grid:
         tiling = {"block_n": block_n, "block_k": block_k, "splits": splits, "num_warps": warps, "num_stages": stages}
         label = "pallas " + " ".join(f"{k}={v}" for k, v in tiling.items() if v)
-        yield label, tiling, functools.partial(linear_pallas, **{k: v or None for k, v in tiling.items()})
+        tuning = dataclasses.replace(default, **{k: v for k, v in tiling.items() if v})
+        yield label, tiling, functools.partial(linear_pallas, tuning=tuning)
 
 
 def seconds_per_product(fn, xs, ws, repeats: int, triton_gemm: bool, trace_dir: str) -> tuple[float, object]:
@@ -135,7 +134,9 @@ def main(argv=None) -> int:
                 if form in args.xla
                 for t in (v == "on" for v in args.triton_gemm)
             ]
-            if batch <= MAX_ROWS:  # above it linear_pallas is XLA's product: not timed under the kernel's name
+            if (
+                batch <= LinearTuning().max_rows
+            ):  # above it linear_pallas is XLA's product: not timed under the kernel's name
                 variants += [(label, {"formulation": "pallas", **tiling}, fn, True)
                              for label, tiling, fn in pallas_tilings(args)]  # fmt: skip
             for variant, fields, fn, triton_gemm in variants:

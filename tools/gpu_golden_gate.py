@@ -1,5 +1,5 @@
 """The GPU golden gate: a seeded random Qwen3.5 model at 4B shapes, built and run by HF transformers on
-the GPU, loaded by this project from the saved safetensors folder, held to the bf16 gate of DESIGN §8.
+the GPU, loaded by this project from the saved safetensors folder, held to the bf16 gate (docs/accuracy.md).
 
 Run on the H200 host (torch + transformers 5.17 present, flash-linear-attention absent, so HF takes its
 torch fallback path):   python tools/gpu_golden_gate.py --workdir /tmp/gate --kernels ref,pallas --report gate.json
@@ -29,7 +29,7 @@ TOKEN_ID_LIMIT = 248044  # ordinary BPE ids only: the specials above are never r
 
 def _hide_repo_root() -> None:
     """transformers imports a package named `kernels` when it can; the repo's own kernels/ folder must not
-    be the one it finds (DESIGN §1)."""
+    be the one it finds (the project installs it as qwen35_jax.kernels)."""
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
 
 
@@ -84,7 +84,7 @@ def hf_logprobs(folder: Path, dtype_name: str, runs: list[tuple[list[int], int]]
 
 
 def stats(ours, ref, top: int = 8, top_k: int = 64, tol: float = 0.20) -> dict:
-    """ours, ref: log-probabilities [L, V] (jax arrays). The DESIGN §8 per-position metrics."""
+    """ours, ref: log-probabilities [L, V] (jax arrays). The gate's per-position metrics (docs/accuracy.md)."""
     import jax
     import jax.numpy as jnp
 
@@ -133,40 +133,25 @@ def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",)) -> dict[str, d
     hf = {d: hf_logprobs(folder, d, runs) for d in ("bf16", "fp32")}
     timings["hf_s"] = time.perf_counter() - start - timings["hf_build_and_save_s"]
     start = time.perf_counter()
-    model = load_model(folder, dtype="bfloat16", kernels="ref")  # the weights; each comparison sets its kernels
+    # The weights in the layout and form `serve` runs; each comparison sets its kernels.
+    model = load_model(folder, dtype="bfloat16", kernels="ref")
     timings["project_load_safetensors_s"] = time.perf_counter() - start
-    served = as_the_engine_serves(model)
-    return {k: {**compare_with_project(model, runs, hf, k, dict(timings)), "model": served} for k in kernel_sets}
-
-
-def as_the_engine_serves(model) -> dict:
-    """The loaded model switched to the engine's defaults (EngineConfig): fused weights and the decode rows' GDN
-    states updated in their pools, so the gate checks what `serve` runs, not only the checkpoint's layout."""
-    from qwen35_jax.serving.factory import EngineConfig, use_weights_and_states
-
-    defaults = EngineConfig()
-    use_weights_and_states(model, defaults)
-    return {"fused_mlp": defaults.fused_mlp, "fused_qkv": defaults.fused_qkv, "gdn_state": defaults.gdn_state}
-
-
-BF16_GDN_PREFILL = "gdn_prefill=pallas-bf16"
+    return {k: compare_with_project(model, runs, hf, k, dict(timings)) for k in kernel_sets}
 
 
 def kernel_set(spec: str):
-    """A kernel set as `--kernels` takes it (`qwen35_jax.kernels.mixers`: "pallas+gdn_prefill=ref" is the Pallas set
-    with the reference GDN prefill), plus one swap only the gate needs: "pallas+gdn_prefill=pallas-bf16" takes the
-    Pallas GDN prefill with bf16 matmul operands (dots="bf16") instead of its default."""
-    import functools
-
-    import jax
-
-    from qwen35_jax.kernels import mixers
-    from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas
+    """(base, Mixers) for "ref", "pallas", or a set with single mixers taken from the other, to find the kernel
+    that moves the gate: "pallas+gdn_prefill=ref" is the Pallas set with the reference GDN prefill."""
+    from qwen35_jax.kernels import KERNEL_SETS, Mixers, mixers
 
     base, *swaps = spec.split("+")
-    mix = mixers("+".join([base, *(swap for swap in swaps if swap != BF16_GDN_PREFILL)]))
-    if BF16_GDN_PREFILL in swaps:
-        mix = mix._replace(gdn_prefill=jax.jit(functools.partial(gdn_chunked_prefill_pallas, dots="bf16")))
+    mix = mixers(base)
+    for swap in swaps:
+        field, _, source = swap.partition("=")
+        if field not in Mixers._fields[1:] or source not in KERNEL_SETS:
+            raise ValueError(f"a swap is KERNEL=SET, KERNEL one of {Mixers._fields[1:]}, SET one of {KERNEL_SETS}; "
+                             f"got {swap!r}")  # fmt: skip
+        mix = mix._replace(**{field: getattr(mixers(source), field)})
     return base, mix._replace(name=spec)
 
 
@@ -190,7 +175,7 @@ def compare_with_project(model, runs, hf: dict, kernels: str, timings: dict) -> 
 
 
 def gate(summary: dict) -> list[dict]:
-    """DESIGN §8. The zero-miss argmax line is pegainfer's gate for trained checkpoints; on random-weight
+    """The bf16 gate (docs/accuracy.md). The zero-miss argmax line is pegainfer's gate for trained checkpoints; on random-weight
     models HF bf16 itself misses against HF fp32 (its bf16 logits are quantised to 0.25 nat above 32), so
     there the calibrated misses line holds instead and the direct line is reported, not enforced."""
     e, c, h = summary["engine_vs_hf_bf16"], summary["engine_vs_hf_fp32"], summary["hf_bf16_vs_hf_fp32"]
@@ -219,7 +204,7 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--kernels", default="ref",
                         help="a kernel set, or several comma-separated (ref,pallas); a set may swap single mixers: "
-                             "pallas+gdn_prefill=ref, pallas+gdn_prefill=pallas-bf16 (see kernel_set)")  # fmt: skip
+                             "pallas+gdn_prefill=ref (see kernel_set)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     kernel_sets = tuple(args.kernels.split(","))

@@ -1,10 +1,10 @@
 """Profile steady decode steps of the engine on the GPU and summarise the device trace: kernels per step,
 busy device time per step against the step's wall time (what is left is launch and host gaps), and the
 decode program's optimised HLO: its fusions, copies, while loops, Triton calls, and the normalisations
-(fusions that compute an rsqrt), to see whether XLA fuses the norms with their neighbours (issue 5 item 6).
+(fusions that compute an rsqrt), to see whether XLA fuses the norms with their neighbours.
 
     python tools/profile_decode.py --model 4b --batch 1 --context 1024 --trace-dir /tmp/trace \
-        --kernels pallas --layer-loop unstacked --json profile.json
+        --kernels pallas --json profile.json
 """
 
 from __future__ import annotations
@@ -104,7 +104,6 @@ def main() -> None:
     from qwen35_jax.api import load_model
     from qwen35_jax.serving.engine import GenerationParams
     from qwen35_jax.serving.factory import EngineConfig, build_engine
-    from qwen35_jax.serving.offline_bench import parse_xla_options
     from qwen35_jax.serving.runner import Buckets
 
     parser = argparse.ArgumentParser()
@@ -115,16 +114,10 @@ def main() -> None:
     parser.add_argument("--trace-dir", default="/tmp/trace")
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--kernels", default=None, help="pallas | ref (default: pallas on a GPU)")
-    parser.add_argument("--layer-loop", default="unstacked", choices=("scan", "unstacked", "unrolled"))
-    parser.add_argument("--gdn-state", default="in_pool", choices=("in_pool", "gather"))
-    parser.add_argument("--xla-option", action="append", default=None, metavar="NAME=VALUE",
-                        help="an XLA compile option (as offline_bench --xla-option); repeatable")  # fmt: skip
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.3,
                         help="of free device memory for the pools: the profile needs only batch x (context + 60) "
                              "tokens. At 0.5 the batch-64/256 runs on the H200 stopped while compiling, XLA's "
-                             "rematerialisation pass reporting the program over its memory limit (session 4)")  # fmt: skip
-    parser.add_argument("--fused-mlp", default="on", choices=("on", "off"), help="as offline_bench --fused-mlp")
-    parser.add_argument("--fused-qkv", default="on", choices=("on", "off"), help="as offline_bench --fused-qkv")
+                             "rematerialisation pass reporting the program over its memory limit")  # fmt: skip
     parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
@@ -139,11 +132,6 @@ def main() -> None:
         max_model_len=args.context + max_tokens + 16,
         gpu_memory_fraction=args.gpu_memory_fraction,
         compile_cache=args.compile_cache,
-        layer_loop=args.layer_loop,
-        gdn_state=args.gdn_state,
-        xla_options=parse_xla_options(args.xla_option),
-        fused_mlp=args.fused_mlp == "on",
-        fused_qkv=args.fused_qkv == "on",
     )
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=(args.batch,), prefill_rows=(1,), chunk=(args.context,))
@@ -176,9 +164,7 @@ def main() -> None:
     jax.profiler.stop_trace()
     hlo = engine.runner.executables[(args.batch, 0, 0)].as_text()
     kernels, host = trace_events(args.trace_dir)
-    report = {"batch": args.batch, "kernels": model.kernels.name, "layer_loop": args.layer_loop,
-              "gdn_state": args.gdn_state, "fused_mlp": args.fused_mlp, "fused_qkv": args.fused_qkv, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "xla_options": args.xla_option or [],
+    report = {"batch": args.batch, "kernels": model.kernels.name, "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "wall_ms_per_step": wall * 1e3, **summarise(kernels, host, args.steps, args.top),
               "decode_program_hlo": hlo_summary(hlo),
               "top_kernel_traffic": kernel_traffic(kernels, args.steps, hlo, args.top),

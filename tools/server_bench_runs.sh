@@ -1,5 +1,5 @@
 #!/bin/bash
-# The server runs of issue 4 against one live `qwen35-jax serve`: 1024/256 at concurrency 1 and 16, then
+# The HTTP runs against one live `qwen35-jax serve`: 1024/256 at concurrency 1 and 16, then
 # 1024/128 at a Poisson rate of 16 requests/s, each writing its JSON result into OUTDIR; the server's log too.
 #
 #   tools/server_bench_runs.sh OUTDIR --model 4b --kernels pallas --max-batch 32 --gpu-memory-fraction 0.6
