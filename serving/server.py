@@ -17,12 +17,10 @@ import dataclasses
 import json
 import logging
 import secrets
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,50 +29,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.serving import protocol as api
 from qwen35_jax.serving.engine import GenerationParams, RequestOutput, TokenLogprob
+from qwen35_jax.serving.errors import APIError, error_body, validation_message
+from qwen35_jax.serving.listener import UvicornServer, bind, listen_url
 from qwen35_jax.serving.metrics import CONTENT_TYPE, ServingMetrics
+from qwen35_jax.serving.middleware import Gate
 from qwen35_jax.serving.scheduler import RequestRejected
+from qwen35_jax.serving.server_config import ServerConfig
+
+# `serve` (serving/cli.py) and the tests start a server from this module alone.
+__all__ = ["OpenAIServer", "ServerConfig", "UvicornServer", "bind", "create_app", "listen_url"]
 
 log = logging.getLogger(__name__)
 
 # How often a request waiting for output checks that the engine thread is still alive.
 ENGINE_CHECK_SECONDS = 5.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    served_model_name: str
-    max_model_len: int
-    vocab_size: int  # of the model's embedding: token ids must be below it
-    api_key: str | None = None
-    # Requests beyond max_batch running + max_queue waiting get 429; None = no limit.
-    max_queue: int | None = 1024
-    max_body_bytes: int = 4 << 20
-    default_completion_max_tokens: int = 16  # as OpenAI's completions API
-    # Chat without max_tokens gets the rest of the context, capped here: the scheduler reserves every
-    # page a request may need at admission, so an uncapped default would make every chat request hold
-    # a full-context reservation.
-    default_chat_max_tokens: int = 4096
-    max_logprobs: int = api.MAX_TOP_LOGPROBS
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
-               500: "internal_server_error", 503: "service_unavailable"}  # fmt: skip
-
-
-ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-               413: "request_too_large", 429: "queue_full", 500: "internal_error", 503: "unavailable"}  # fmt: skip
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    kind = ERROR_TYPES.get(status, "invalid_request_error")
-    code = code or ERROR_CODES.get(status, str(status))
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _random_seed() -> int:
@@ -471,114 +439,6 @@ async def stream(server: OpenAIServer, prepared: Prepared, submission: Submissio
 # ---- the app ---------------------------------------------------------------------------------------------
 
 
-class Gate:
-    """ASGI middleware: the API key (for /v1/ routes) and the body-size limit, before any routing or parsing."""
-
-    DRAIN_LIMIT = 64 << 20  # a too-large body up to this size is read and dropped so the client sees the 413
-
-    def __init__(self, app, server: OpenAIServer):
-        self.app, self.server = app, server
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        key = self.server.config.api_key
-        if key is not None and scope["path"].startswith("/v1/") and not _authorized(headers, key):
-            return await self._reply(send, 401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                     "invalid_api_key")  # fmt: skip
-        limit = self.server.config.max_body_bytes
-        declared = headers.get(b"content-length", b"0")
-        if not declared.isdigit():
-            return await self._reply(send, 400, "bad Content-Length header", "bad_request")
-        size = int(declared)
-        if size <= self.DRAIN_LIMIT:
-            body, size = await _read_body(receive, limit, self.DRAIN_LIMIT)
-            if body is None:
-                return  # the client went away
-        if size > limit:
-            return await self._reply(send, 413, f"request body of {size}+ bytes exceeds the limit of {limit} bytes",
-                                     "request_too_large")  # fmt: skip
-        return await self.app(scope, _replay(body, receive), send)
-
-    async def _reply(self, send, status: int, message: str, code: str) -> None:
-        self.server.metrics.http_errors.labels(status=str(status)).inc()
-        payload = json.dumps(error_body(status, message, None, code)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
-
-
-async def _read_body(receive, limit: int, drain_limit: int) -> tuple[bytes | None, int]:
-    """The body if it fits in `limit`, and its size; past the limit it is read and dropped, up to `drain_limit`."""
-    parts, size, more = [], 0, True
-    while more and size <= drain_limit:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None, size
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        more = message.get("more_body", False)
-        if size <= limit:
-            parts.append(chunk)
-    return b"".join(parts), size
-
-
-def _authorized(headers: dict[bytes, bytes], key: str) -> bool:
-    given = headers.get(b"authorization", b"").decode("latin-1")
-    scheme, _, token = given.partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
-
-
-def _replay(body: bytes, receive):
-    """A receive() that hands out the already-read body once, then defers to the connection (for disconnects)."""
-    sent = False
-
-    async def replay():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
-
-
-# Parameters that take one of several shapes: pydantic reports one error per shape, this says it once.
-SHAPES = {
-    "prompt": "must be a string, a non-empty list of token ids (integers), or a list holding one of those",
-    "stop": "must be a non-empty string or a list of at most 16 non-empty strings",
-    "content": "must be a string or a list of {'type': 'text', 'text': ...} parts",
-}
-
-
-def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = loc[0] if loc else None
-    kind = first.get("type", "")
-    shape = next((name for name in SHAPES if name in loc), None)
-    if shape is not None and len(errors) > 1:
-        where = ".".join(loc[: loc.index(shape) + 1])
-        return f"{where} {SHAPES[shape]}", param
-    if kind == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    if kind == "extra_forbidden":
-        return f"unknown parameter {'.'.join(loc)!r}: this server does not support it", ".".join(loc)
-    if kind == "model_attributes_type" and not loc:
-        return "the request body must be a JSON object (sent with Content-Type: application/json)", None
-    if kind == "missing" and not loc:
-        return "the request body is missing: send a JSON object", None
-    if kind == "missing":
-        return f"missing required parameter {'.'.join(loc)!r}", ".".join(loc)
-    parts = []
-    for error in errors[:4]:
-        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {error.get('msg')}")
-    more = f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""
-    return "invalid request: " + "; ".join(parts) + more, param
-
-
 ERROR_RESPONSES = {status: {"model": api.ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 
 
@@ -595,7 +455,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, error: RequestValidationError):
-        message, param = _validation_message(list(error.errors()) or [{"msg": "invalid request"}])
+        message, param = validation_message(list(error.errors()) or [{"msg": "invalid request"}])
         return error_response(400, message, param, "invalid_request")
 
     @app.exception_handler(StarletteHTTPException)
@@ -633,7 +493,7 @@ def create_app(server: OpenAIServer) -> FastAPI:
         prepared = await server.prepare_chat(body)
         return await _answer(server, prepared, request, body.stream, chat=True)
 
-    app.add_middleware(Gate, server=server)
+    app.add_middleware(Gate, config=server.config, metrics=server.metrics)
     return app
 
 
@@ -647,39 +507,3 @@ async def _answer(server: OpenAIServer, prepared: Prepared, request: Request, st
     finally:
         submission.close()
     return JSONResponse(body)
-
-
-# ---- running ---------------------------------------------------------------------------------------------
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads so that a taken port fails in milliseconds."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
-def listen_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-class UvicornServer(uvicorn.Server):
-    """uvicorn, quiet, calling `on_started` once the socket accepts connections."""
-
-    def __init__(self, app, on_started: Callable[[], None] | None = None, **config):
-        config = {"log_level": "warning", "access_log": False, "timeout_graceful_shutdown": 5} | config
-        super().__init__(uvicorn.Config(app, **config))
-        self.on_started = on_started
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if self.started and self.on_started is not None:
-            self.on_started()
