@@ -26,8 +26,9 @@ class Prepared:
     """One HTTP request, validated and ready for `Engine.submit`; plain data, built by `RequestPreparer`.
 
     It lives on the event loop for the whole request: `Submission` carries it, and the response builders
-    read its id, its `params.logprobs` and `include_usage`. The engine copies the prompt and params into
-    its own `Generation` at submit, so nothing here changes once the request runs.
+    read its id, its `params.logprobs` and `include_usage`. At submit the engine copies the prompt into
+    the scheduler's `Request` and keeps the (frozen) params in its `Generation`, so nothing here changes
+    once the request runs.
     """
 
     request_id: str
