@@ -106,34 +106,15 @@ async def send_one(client, args, model: str, prompt: list[int]) -> RequestResult
     body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
             "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     result = RequestResult(prompt_len=len(prompt))
-    start = last = time.perf_counter()
-    chunks = 0
+    start = time.perf_counter()
     try:
         async with client.stream("POST", f"{args.base_url}{args.endpoint}", json=body, headers=_headers(args)) as r:
             if r.status_code != 200:
                 result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    result.error = f"stream error: {event['error'].get('message')}"
-                    return result
-                if event.get("usage"):
-                    result.output_tokens = event["usage"]["completion_tokens"]
-                choices = event.get("choices") or [{}]
-                if not choices[0].get("text") and choices[0].get("finish_reason", "") is not None:
-                    continue  # no token in it: a usage-only chunk, or a finish without text
-                now = time.perf_counter()
-                if chunks == 0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last, chunks = now, chunks + 1
+            chunks = await _time_chunks(r, result, start)
+            if chunks is None:
+                return result
     except Exception as err:  # a failed request is counted, not fatal
         result.error = f"{type(err).__name__}: {err}"
         return result
@@ -143,6 +124,34 @@ async def send_one(client, args, model: str, prompt: list[int]) -> RequestResult
     if not result.success:
         result.error = "no output"
     return result
+
+
+async def _time_chunks(response, result: RequestResult, start: float) -> int | None:
+    """Reads the SSE stream into `result` (TTFT, ITL, the usage's token count); returns the number of
+    chunks that carried a token, or None after an error event (its message is in `result.error`)."""
+    last, chunks = start, 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            break
+        event = json.loads(data)
+        if "error" in event:
+            result.error = f"stream error: {event['error'].get('message')}"
+            return None
+        if event.get("usage"):
+            result.output_tokens = event["usage"]["completion_tokens"]
+        choices = event.get("choices") or [{}]
+        if not choices[0].get("text") and choices[0].get("finish_reason", "") is not None:
+            continue  # no token in it: a usage-only chunk, or a finish without text
+        now = time.perf_counter()
+        if chunks == 0:
+            result.ttft = now - start
+        else:
+            result.itl.append(now - last)
+        last, chunks = now, chunks + 1
+    return chunks
 
 
 async def _arrivals(count: int, rate: float, rng: random.Random):

@@ -8,6 +8,9 @@ while a step that uses them is still in flight: every step takes the caches from
 
 Threading: `submit` and `abort` may be called from any thread; the loop runs in one thread (`start`) or
 inline (`run_until_done`). Outputs are delivered through each request's `on_output` callback.
+
+A request is two objects here: its `Generation` (this module: what the engine needs to turn sampled tokens
+into outputs) and the scheduler's `Request` (plan.py: prompt, slot, pages and launch-time counters).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import dataclasses
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from qwen35_jax.sampling import SamplingParams
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class GenerationParams:
-    """What one request asks for besides its prompt."""
+    """What one request asks for besides its prompt; built on the HTTP side (prompts.py), never changed."""
 
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
@@ -42,6 +44,8 @@ class GenerationParams:
 
 @dataclasses.dataclass
 class TokenLogprob:
+    """One output token's logprob and the top-N alternatives (most likely first), as the device returned them."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
@@ -49,7 +53,10 @@ class TokenLogprob:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """One delivery to a request's consumer: new tokens since the last one, and the finish if it happened."""
+    """One delivery to a request's consumer: new tokens since the last one, and the finish if it happened.
+
+    Made on the engine thread and handed to `Generation.on_output`. The output that ends a request carries
+    no tokens, only `finish_reason` (and `error`)."""
 
     request_id: str
     token_ids: list[int]
@@ -63,15 +70,22 @@ class RequestOutput:
 
 @dataclasses.dataclass(eq=False)
 class Generation:
+    """The engine's bookkeeping of one request, from `submit` to its finish; owned by the engine thread.
+
+    The scheduler's `Request` is the part that scheduling reads and moves, its counters advancing when a
+    step is launched. This holds the rest, which only the engine needs: the params, the consumer's
+    callback, the text tools, and the output tokens as they are read back, one step late (so
+    `len(output_ids)` trails `request.num_output_tokens`). It lives in `Engine.generations` until
+    `_finish` pops it; a token that arrives after that is dropped. On the HTTP side the consumer behind
+    `on_output` is a `Submission` (submission.py).
+    """
+
     request: Request
     params: GenerationParams
     on_output: Callable[[RequestOutput], None]
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer: outputs carry token ids only
     stop_matcher: StopStringMatcher | None
     output_ids: list[int] = dataclasses.field(default_factory=list)
-    finished: bool = False
-    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
 
 
 @dataclasses.dataclass
@@ -88,6 +102,9 @@ class SamplingRow:
 
 
 class Engine:
+    """The loop over one runner and one scheduler; `metrics`, if given, is called as `on_step(handle, engine)`
+    after each step's tokens are delivered."""
+
     def __init__(self, runner, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...], metrics=None):
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -199,10 +216,8 @@ class Engine:
 
     def _accept(self, request_id: str, token: int, logprob: float, top_ids, top_lp) -> None:
         gen = self.generations.get(request_id)
-        if gen is None or gen.finished:
+        if gen is None:
             return  # retired while this step was in flight
-        if gen.first_token_at is None:
-            gen.first_token_at = time.perf_counter()
         gen.output_ids.append(token)
         reason = self._finish_reason(gen, token)
         text, stopped = self._text_delta(gen, token, reason)
@@ -246,9 +261,8 @@ class Engine:
 
     def _finish(self, request_id: str, reason: str, emit: bool, error: str | None = None) -> None:
         gen = self.generations.pop(request_id, None)
-        if gen is None or gen.finished:
+        if gen is None:
             return
-        gen.finished = True
         if reason in ("abort", "error"):
             self.scheduler.abort(request_id)
         else:

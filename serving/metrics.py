@@ -1,7 +1,7 @@
 """Prometheus metrics of the server: engine state read at scrape time, and per-request latencies and
 token counts recorded as outputs arrive.
 
-`RequestTimer.record` runs on the engine thread (it is called from each request's `on_output`); the
+`RequestTimer.record` runs on the engine thread (it is called from `Submission.on_output`); the
 prometheus_client metrics it touches are thread-safe. Each `ServingMetrics` has its own registry, so
 several servers can live in one process (tests).
 """

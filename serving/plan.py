@@ -99,7 +99,13 @@ class RequestStatus(enum.StrEnum):
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """Host-side state of one generation request. The scheduler owns and mutates it."""
+    """Host-side state of one request as scheduling sees it; the scheduler owns and mutates it.
+
+    `Engine.submit` creates it next to the request's `Generation` (engine.py), and the scheduler holds it
+    from `add` to `finish`: the prompt, the length limit, the slot and pages, and counters that move when
+    a step is launched. Sampling, text and the consumer are the `Generation`'s. `max_tokens` is copied
+    from the request's `GenerationParams` because this module and the scheduler import no engine code.
+    """
 
     request_id: str
     prompt_ids: list[int]

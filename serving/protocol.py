@@ -4,7 +4,7 @@ Requests are strict (no "5" for 5) and forbid unknown fields, so a misspelt or u
 400 that names it instead of being silently ignored. Parameters that OpenAI clients send with a neutral
 value (`n=1`, `echo=false`, zero penalties, ...) are declared so that the neutral value passes; any other
 value is refused by `unsupported_params`. The value ranges here are those of the OpenAI API; limits that
-depend on the server (vocabulary, context length, logprob count) are checked by the server.
+depend on the served model (vocabulary, context length, logprob count) are checked in prompts.py.
 """
 
 from __future__ import annotations

@@ -204,7 +204,8 @@ class Scheduler:
         request.page_ids = ()
 
     def _prefill_budget(self, decoders: list[Request]) -> int:
-        """Prompt tokens this step may prefill. `auto` follows pegainfer's adaptive budget."""
+        """Prompt tokens this step may prefill: the cap under `off`; under `auto`, the adaptive budget of
+        pegainfer (the reference this engine reproduces), whose three cases follow."""
         cap = self.config.max_prefill_tokens
         front = self._prefill_front()
         # With nothing decoding there is no inter-token latency to protect: take the whole cap.
@@ -287,7 +288,8 @@ def step_action(decode: tuple[DecodeRow, ...], prefill: tuple[PrefillChunk, ...]
 
 
 def trace(plan: StepPlan) -> str:
-    """One `ITL_STEP` log line for a plan; the field names are those of pegainfer's `ITL_STEP` lines."""
+    """One `ITL_STEP` log line for a plan; the field names are those of pegainfer's `ITL_STEP` lines, so that
+    the step logs of the two engines read alike."""
     return (
         f"ITL_STEP step={plan.step_id} plan={plan.action} decode_n={plan.num_decode_rows} "
         f"prefill_tok={plan.num_prefill_tokens} prefill_reqs={len(plan.prefill)} budget={plan.budget}"

@@ -1,0 +1,157 @@
+"""From a validated request body to what the engine takes: the prompt's token ids and `GenerationParams`.
+
+pydantic (protocol.py) has checked every field on its own; the checks here need the model: the served
+name, the vocabulary, the context length, the tokenizer and its chat template, the logprob count. Each
+failure is an `APIError` (a 4xx) that names the parameter. The result is a `Prepared`, which
+`OpenAIServer.submit` hands to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import uuid
+
+from qwen35_jax.sampling import SamplingParams
+from qwen35_jax.serving import protocol as api
+from qwen35_jax.serving.engine import GenerationParams
+from qwen35_jax.serving.errors import APIError
+from qwen35_jax.serving.scheduler import RequestRejected
+from qwen35_jax.serving.server_config import ServerConfig
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One HTTP request, validated and ready for `Engine.submit`; plain data, built by `RequestPreparer`.
+
+    It lives on the event loop for the whole request: `Submission` carries it, and the response builders
+    read its id, its `params.logprobs` and `include_usage`. At submit the engine copies the prompt into
+    the scheduler's `Request` and keeps the (frozen) params in its `Generation`, so nothing here changes
+    once the request runs.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    include_usage: bool  # the client asked for a usage chunk at the end of the stream
+
+
+class RequestPreparer:
+    """Checks a request against the served model and turns it into a `Prepared`."""
+
+    def __init__(self, engine, tokenizer, config: ServerConfig):
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+
+    async def completion(self, request: api.CompletionRequest) -> Prepared:
+        self.check_request(request)
+        ids = await self.completion_prompt(request)
+        params = self.generation_params(request, len(ids), request.max_tokens,
+                                        self.config.default_completion_max_tokens, request.logprobs)  # fmt: skip
+        return Prepared(f"cmpl-{uuid.uuid4().hex}", ids, params, _include_usage(request))
+
+    async def chat(self, request: api.ChatCompletionRequest) -> Prepared:
+        self.check_request(request)
+        ids = await self.chat_prompt(request)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.generation_params(request, len(ids), max_tokens, self.config.default_chat_max_tokens, logprobs)
+        return Prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, _include_usage(request))
+
+    # ---- checks ------------------------------------------------------------------------------------------
+    def check_request(self, request: api.SamplingFields) -> None:
+        if request.model != self.config.served_model_name:
+            raise APIError(404, f"model {request.model!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r}", "model", "model_not_found")  # fmt: skip
+        problems = api.unsupported_params(request)
+        if problems:
+            param, message = problems[0]
+            raise APIError(400, message, param, "unsupported_parameter")
+        if not self.engine.is_running():
+            raise APIError(503, "the engine is not running")
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        vocab = self.config.vocab_size
+        if not ids:
+            raise APIError(400, "the prompt is empty: at least one prompt token is needed", param)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+        if len(ids) >= self.config.max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens, but --max-model-len is "
+                                f"{self.config.max_model_len}: the prompt and at least one output token must "
+                                f"fit", param, "context_length_exceeded")  # fmt: skip
+
+    def _need_tokenizer(self, param: str) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, f"model {self.config.served_model_name!r} has no tokenizer: send the prompt as a "
+                                "list of token ids to /v1/completions", param)  # fmt: skip
+
+    # ---- prompts -----------------------------------------------------------------------------------------
+    async def completion_prompt(self, request: api.CompletionRequest) -> list[int]:
+        prompt = request.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, f"one prompt per request is supported, got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            ids = list(prompt)
+        else:
+            self._need_tokenizer("prompt")
+            ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        self.check_prompt(ids, "prompt")
+        return ids
+
+    async def chat_prompt(self, request: api.ChatCompletionRequest) -> list[int]:
+        self._need_tokenizer("messages")
+        messages = [m.for_template() for m in request.messages]
+        kwargs = request.chat_template_kwargs or {}
+        reserved = {"messages", "add_generation_prompt", "tools"} & kwargs.keys()
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+        try:
+            ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True, **kwargs)
+        except Exception as err:  # the template runs on client data: whatever it raises is the client's
+            raise APIError(400, f"messages: {err}", "messages") from None
+        self.check_prompt(ids, "messages")
+        return ids
+
+    # ---- parameters --------------------------------------------------------------------------------------
+    def generation_params(self, request: api.SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
+                          default_max_tokens: int, logprobs: int | None) -> GenerationParams:  # fmt: skip
+        max_tokens = self._max_tokens(num_prompt_tokens, max_tokens, default_max_tokens)
+        if logprobs is not None and logprobs > self.config.max_logprobs:
+            raise APIError(400, f"at most {self.config.max_logprobs} logprobs per token, got {logprobs}", "logprobs")
+        bad = [t for t in request.stop_token_ids or () if t >= self.config.vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
+                                f"{self.config.vocab_size})", "stop_token_ids")  # fmt: skip
+        return GenerationParams(
+            max_tokens=max_tokens, sampling=self._sampling(request), stop=request.stop_strings(),
+            stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
+        )  # fmt: skip
+
+    def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, default_max_tokens: int) -> int:
+        """The request's max_tokens, or the default capped by the context left; checked against the engine."""
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, self.config.max_model_len - num_prompt_tokens)
+        try:
+            self.engine.check(num_prompt_tokens, max_tokens)
+        except RequestRejected as err:
+            raise APIError(400, str(err), "max_tokens", "context_length_exceeded") from None
+        return max_tokens
+
+    def _sampling(self, request: api.SamplingFields) -> SamplingParams:
+        """OpenAI's defaults for what is unset; a top_k that keeps the whole vocabulary turns top_k off."""
+        top_k = request.top_k or 0
+        return SamplingParams(
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_k=0 if top_k < 0 or top_k >= self.config.vocab_size else top_k,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            min_p=request.min_p or 0.0,
+            seed=secrets.randbits(32) if request.seed is None else request.seed % 2**32,
+        )  # fmt: skip
+
+
+def _include_usage(request: api.SamplingFields) -> bool:
+    return request.stream_options is not None and request.stream_options.include_usage

@@ -1,0 +1,24 @@
+"""`ServerConfig`: what the HTTP side of `serve` is told about the model and its limits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from qwen35_jax.serving.protocol import MAX_TOP_LOGPROBS
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int  # of the model's embedding: token ids must be below it
+    api_key: str | None = None
+    # Requests beyond max_batch running + max_queue waiting get 429; None = no limit.
+    max_queue: int | None = 1024
+    max_body_bytes: int = 4 << 20
+    default_completion_max_tokens: int = 16  # as OpenAI's completions API
+    # Chat without max_tokens gets the rest of the context, capped here: the scheduler reserves every
+    # page a request may need at admission, so an uncapped default would make every chat request hold
+    # a full-context reservation.
+    default_chat_max_tokens: int = 4096
+    max_logprobs: int = MAX_TOP_LOGPROBS
