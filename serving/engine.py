@@ -102,13 +102,11 @@ class SamplingRow:
 
 
 class Engine:
-    """The loop over one runner and one scheduler; `metrics`, if given, is called as `on_step(handle, engine)`
-    after each step's tokens are delivered."""
+    """The loop over one runner and one scheduler: schedule, launch, then process the previous step's tokens."""
 
-    def __init__(self, runner, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...], metrics=None):
+    def __init__(self, runner, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...]):
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.metrics = metrics
         self.generations: dict[str, Generation] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -211,8 +209,6 @@ class Engine:
             if getattr(row, "is_last", True):
                 top = (None, None) if top_ids is None else (top_ids[i], top_lp[i])
                 self._accept(row.request_id, int(tokens[i]), float(chosen[i]), *top)
-        if self.metrics is not None:
-            self.metrics.on_step(handle, self)
 
     def _accept(self, request_id: str, token: int, logprob: float, top_ids, top_lp) -> None:
         gen = self.generations.get(request_id)
