@@ -13,29 +13,31 @@ Returns y (same shape as x, model dtype) and each row's new conv state: its last
 
 Pallas kernels (Triton lowering). Channels are independent (depthwise), so both kernels block over them;
 channel rows are contiguous in memory, which makes every load and store a coalesced vector.
-- update: grid (B, C / block_c). A program reads its K-1 state rows and the new input for block_c channels,
-  writes y and the shifted state. 4B: C = 8192, block_c 512, so B * 16 programs of 8 KiB traffic each.
+- update, in the slot pool (below): grid (B, C / block_c). A program reads its K-1 state rows and the new input
+  for block_c channels, writes y and the shifted state. 4B: C = 8192, block_c 512, so B * 16 programs of 8 KiB
+  traffic each.
 - prefill: grid (P, T / block_t, C / block_c), one [block_t, block_c] output tile a program. Tap j reads
   the tile shifted by j - (K-1) tokens; rows before the chunk start come from the conv state (a masked
   load selects which), so there is no sequential dependency across tiles and every tile runs in parallel.
   The overlapping tap reads hit L1/L2: DRAM traffic stays ~ one read of x and one write of y. The t = 0
   tile's program also writes the row's new conv state, window rows length .. length + K-2.
 y is computed at padding tokens too (from whatever x holds there), exactly as the reference does.
-Block sizes are the largest powers of two (up to BLOCK_T, BLOCK_C) that divide T and C, so tiles never
-overhang the arrays and need no edge masks (the engine's chunk buckets and the model's C are powers of two
-or multiples of 512). The new conv state goes to a fresh buffer, not in place over the old one: the state
-rows shift by one, so an element would be read by one thread and overwritten by another, and Triton
+Block sizes are the largest powers of two (up to the tuning's block_t, block_c) that divide T and C, so tiles
+never overhang the arrays and need no edge masks (the engine's chunk buckets and the model's C are powers of two
+or multiples of 512). The prefill's new conv state goes to a fresh buffer, not in place over the old one: the
+state rows shift by one, so an element would be read by one thread and overwritten by another, and Triton
 gives no barrier between them; the buffer is K-1 rows, small next to x.
-The block sizes and warp counts are unmeasured first choices; `tools/bench_conv1d.py --sweep` times others.
+The block sizes and warp counts (`ConvUpdateTuning`, `ConvPrefillTuning`) are unmeasured first choices;
+`tools/bench_conv1d.py --sweep` times others.
 
 In-pool update (`causal_conv1d_update_pool_ref`, `causal_conv1d_update_pool_pallas`): the one-token update reading
-and writing the decode rows' states where they live, as the GDN decode's in-pool variant does, so a decode step
-does not gather the conv states out of the pool and scatter them back (on the H200 that scatter was one 0.29 ms
-fusion a batch-64 step, touching 229 MB for 38 MB of state: docs/performance.md, session 5):
+and writing the decode rows' states where they live, as the GDN decode does, so a decode step does not gather the
+conv states out of the pool and scatter them back (on the H200 that scatter was one 0.29 ms fusion a batch-64
+step, touching 229 MB for 38 MB of state):
     pool     [L, S, K-1, C] model dtype: every GDN layer's conv state of every slot
     layer    int32 scalar (may be traced);  slots [B] int32: row b's state is pool[layer, slots[b]]
 Returns y and the pool with rows (layer, slots[b]) shifted by the new input; other rows are untouched. The pool
-input is aliased to the output. In place is safe here although the rows shift (unlike the fresh-buffer kernel
+input is aliased to the output. In place is safe here although the rows shift (unlike the prefill's fresh buffer
 above): a program loads and stores its columns as [block_c] vectors of one layout, so a column is loaded and
 stored by the same thread, loads first. Slots must be distinct except for padding rows sharing the trash slot,
 whose contents are then garbage (as in the GDN in-pool kernel; never read for a live sequence).
@@ -43,6 +45,7 @@ whose contents are then garbage (as in the GDN in-pool kernel; never read for a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,10 +54,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-BLOCK_C_UPDATE = 512  # bf16: 4 channels a thread at 4 warps
-BLOCK_T = 16
-BLOCK_C_PREFILL = 256  # tile [16, 256]: 32 values a thread at 4 warps
-NUM_WARPS = 4
+
+@dataclasses.dataclass(frozen=True)
+class ConvUpdateTuning:
+    """The update's channels a program (bf16: 4 a thread at 4 warps) and warps."""
+
+    block_c: int = 512
+    num_warps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvPrefillTuning:
+    """The prefill's output tile [block_t, block_c] (32 values a thread at 4 warps) and warps."""
+
+    block_t: int = 16
+    block_c: int = 256
+    num_warps: int = 4
+
+
+CONV_UPDATE_TUNING = ConvUpdateTuning()
+CONV_PREFILL_TUNING = ConvPrefillTuning()
 
 
 def _conv_silu(window: jax.Array, weight: jax.Array, out_len: int) -> jax.Array:
@@ -96,40 +115,6 @@ def _update_window(window: list, weight_ref, y_ref) -> list:
     return window[1:]
 
 
-def _update_kernel(x_ref, weight_ref, state_ref, y_ref, new_state_ref):
-    """x_ref, y_ref [block_c]; weight_ref [block_c, K]; state_ref, new_state_ref [K-1, block_c]."""
-    keep = state_ref.shape[0]
-    window = [state_ref[j, :].astype(x_ref.dtype) for j in range(keep)] + [x_ref[...]]
-    for j, row in enumerate(_update_window(window, weight_ref, y_ref)):
-        new_state_ref[j, :] = row.astype(new_state_ref.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("block_c", "num_warps", "interpret"))
-def conv1d_update_blocked(x, weight, conv_state, *, block_c: int, num_warps: int, interpret: bool = False):
-    """`causal_conv1d_update_pallas` with explicit tiling (the benchmark sweeps it)."""
-    batch, channels = x.shape
-    taps = weight.shape[1]
-    block_c = _block(channels, block_c)
-    row_spec = pl.BlockSpec((None, block_c), lambda b, c: (b, c))
-    state_spec = pl.BlockSpec((None, taps - 1, block_c), lambda b, c: (b, 0, c))
-    return pl.pallas_call(
-        _update_kernel,
-        grid=(batch, channels // block_c),
-        in_specs=[row_spec, pl.BlockSpec((block_c, taps), lambda b, c: (c, 0)), state_spec],
-        out_specs=[row_spec, state_spec],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="conv1d_update",
-    )(x, weight, conv_state)
-
-
-def causal_conv1d_update_pallas(x, weight, conv_state, *, interpret=False):
-    return conv1d_update_blocked(
-        x, weight, conv_state, block_c=BLOCK_C_UPDATE, num_warps=NUM_WARPS, interpret=interpret
-    )
-
-
 def causal_conv1d_update_pool_ref(x, weight, pool, layer, slots):
     """`causal_conv1d_update_ref` on the rows pool[layer, slots[b]]; returns (y, pool with those rows replaced)."""
     y, state = causal_conv1d_update_ref(x, weight, pool[layer, slots])
@@ -151,13 +136,15 @@ def _update_pool_kernel(layer_ref, slots_ref, x_ref, weight_ref, pool_ref, y_ref
         new_pool_ref[layer, slot, j, columns] = row.astype(new_pool_ref.dtype)
 
 
-def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret=False, block_c=None, num_warps=None):
+def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret=False,
+                                     tuning: ConvUpdateTuning = CONV_UPDATE_TUNING):  # fmt: skip
     """Pallas version of `causal_conv1d_update_pool_ref` (module notes, in-pool update). Not jitted, and lax
-    primitives only around the pallas_call, as `gdn_decode_pool_pallas`."""
+    primitives only around the pallas_call: the model may call it inside stream-annotated regions, where a nested
+    jit fails."""
     batch, channels = x.shape
     taps = weight.shape[1]
     assert pool.shape[2:] == (taps - 1, channels), (pool.shape, weight.shape)
-    block_c = _block(channels, block_c or BLOCK_C_UPDATE)
+    block_c = _block(channels, tuning.block_c)
     row_spec = pl.BlockSpec((None, block_c), lambda b, c: (b, c))
     whole = pl.BlockSpec(memory_space=pl.ANY)  # the kernel finds its rows from slots
     return pl.pallas_call(
@@ -167,7 +154,7 @@ def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret
         out_specs=[row_spec, whole],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
         input_output_aliases={4: 1},  # pool in -> pool out: only the step's rows are written
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="conv1d_update_pool",
     )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(slots, jnp.int32), x, weight, pool)
@@ -204,14 +191,13 @@ def _prefill_kernel(lengths_ref, x_ref, weight_ref, state_ref, y_ref, new_state_
             new_state_ref[i, :] = row.astype(new_state_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_t", "block_c", "num_warps", "interpret"))
-def conv1d_prefill_blocked(
-    x, weight, conv_state, lengths, *, block_t: int, block_c: int, num_warps: int, interpret: bool = False
-):
-    """`causal_conv1d_prefill_pallas` with explicit tiling (the benchmark sweeps it)."""
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+def causal_conv1d_prefill_pallas(x, weight, conv_state, lengths, *, interpret=False,
+                                 tuning: ConvPrefillTuning = CONV_PREFILL_TUNING):  # fmt: skip
+    """Pallas version of `causal_conv1d_prefill_ref` (same arguments and result; module notes)."""
     rows, seq, channels = x.shape
     taps = weight.shape[1]
-    block_t, block_c = _block(seq, block_t), _block(channels, block_c)
+    block_t, block_c = _block(seq, tuning.block_t), _block(channels, tuning.block_c)
     seq_spec = pl.BlockSpec((None, seq, block_c), lambda p, t, c: (p, 0, c))
     state_spec = pl.BlockSpec((None, taps - 1, block_c), lambda p, t, c: (p, 0, c))
     return pl.pallas_call(
@@ -225,14 +211,7 @@ def conv1d_prefill_blocked(
         ],
         out_specs=[seq_spec, state_spec],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="conv1d_prefill",
     )(lengths.astype(jnp.int32), x, weight, conv_state)
-
-
-def causal_conv1d_prefill_pallas(x, weight, conv_state, lengths, *, interpret=False):
-    return conv1d_prefill_blocked(
-        x, weight, conv_state, lengths, block_t=BLOCK_T, block_c=BLOCK_C_PREFILL, num_warps=NUM_WARPS,
-        interpret=interpret,
-    )  # fmt: skip

@@ -12,14 +12,14 @@ Layouts:
 Returns o [B, H, D] in q's dtype.
 
 `paged_decode_attention_pallas` is the Pallas GPU kernel (Triton lowering; `interpret=True` runs it on the
-CPU): grid, split-K and numerics are in the notes above it. The helpers after those notes (the paged
-K/V gather and the online-softmax step) are shared with the prefill kernel. Its defaults (DECODE_TUNING:
-bf16 block_k 32, 4 warps, 3 stages) are the fastest of the tuning grid on the H200 at 4B shapes
-(`tools/bench_attention.py --sweep` times the grid).
+CPU): grid, split-K and numerics are in the notes above it, its tiles in `DecodeAttentionTuning`. The helpers
+after those notes (the paged K/V gather, the key-block loop, the online-softmax state) are shared with the
+prefill attention's prefix pass (`chunk_attention.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -178,26 +178,35 @@ def decode_splits(batch: int, kv_heads: int, max_tokens: int, block_k: int, num_
     return max(1, min(wanted, 16, pl.cdiv(max_tokens, block_k)))
 
 
-# Default (block_k, num_warps, num_stages) by itemsize. bf16: the fastest of the 12-point sweep on the H200 at
-# batch 64, 4B heads, at both context 1024 (89.5 us, 70.0% of the memory roofline; (64, 4, 2) took 98.2 us)
-# and 4096 (274 us, 91.2%; 300 us) (`tools/bench_attention.py --kernel decode --sweep`, docs/kernels.md).
-# fp32: the largest that compiled without register spills (offline); fp32 dots are FMA loops over twice the
-# bytes, so half the block.
-DECODE_TUNING = {2: (32, 4, 3), 4: (32, 8, 2)}
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionTuning:
+    """Tiles of the decode kernel: block_k tokens per key block, num_splits splits of a row's keys (None:
+    `decode_splits`, about two programs per SM), and the Triton compiler's warps and stages."""
+
+    block_k: int = 32
+    num_splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# By itemsize. bf16: the fastest of the 12-point sweep on the H200 at batch 64, 4B heads, at both context 1024
+# (89.5 us, 70.0% of the memory roofline; block_k 64, 4 warps, 2 stages took 98.2 us) and 4096 (274 us, 91.2%;
+# 300 us) (`tools/bench_attention.py --kernel decode --sweep`, docs/kernels.md). fp32: the largest that compiled
+# without register spills; fp32 dots are FMA loops over twice the bytes, so half the block.
+DECODE_TUNING = {2: DecodeAttentionTuning(), 4: DecodeAttentionTuning(num_warps=8, num_stages=2)}
+
+
+def decode_attention_tuning(dtype) -> DecodeAttentionTuning:
+    """The measured decode tiles for q's dtype."""
+    return DECODE_TUNING[min(jnp.dtype(dtype).itemsize, 4)]
 
 
 def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, lengths, *, interpret=False,
-                                  block_k: int | None = None, num_splits: int | None = None,
-                                  num_warps: int | None = None, num_stages: int | None = None):  # fmt: skip
+                                  tuning: DecodeAttentionTuning | None = None):  # fmt: skip
     """Pallas version of `paged_decode_attention_ref` (same arguments and result); see the notes above.
-    block_k (tokens per key block), num_splits (None: `decode_splits`), num_warps and num_stages tune it;
-    None takes DECODE_TUNING's value for q's dtype."""
-    default_block_k, default_warps, default_stages = DECODE_TUNING[min(jnp.dtype(q.dtype).itemsize, 4)]
-    block_k, num_warps, num_stages = (
-        block_k or default_block_k,
-        num_warps or default_warps,
-        num_stages or default_stages,
-    )
+    tuning: None takes `decode_attention_tuning(q.dtype)`."""
+    tuning = tuning or decode_attention_tuning(q.dtype)
+    block_k, num_splits = tuning.block_k, tuning.num_splits
     batch, heads, dim = q.shape
     kv_heads, page_size = k_pages.shape[3], k_pages.shape[2]
     group = heads // kv_heads
@@ -219,7 +228,7 @@ def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, length
         out_shape=[jax.ShapeDtypeStruct((*partial_shape, dim), jnp.float32),
                    jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                    jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="paged_decode_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), lengths, page_table, qg, k_pages, v_pages)  # fmt: skip

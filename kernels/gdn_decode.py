@@ -8,33 +8,28 @@ Layouts:
     q, k        [B, nk, dk]   model dtype (after conv + SiLU)
     v           [B, nv, dv]   model dtype
     g           [B, nv]       fp32;  beta [B, nv] model dtype
-    state       [B, nv, dk, dv] fp32: each row's recurrent state for this layer
-Returns o [B, nv, dv] in v's dtype and the new state (a kernel may update `state` in place: the model
-gathers the step's rows from the slot pool once per step and scatters them back once).
-
-Pallas kernel (Triton lowering): grid (B, nv, dv / BLOCK_DV). One program owns the column block
-S[:, block] of one (row, value head): it reads q and k of key head h // ratio whole (dk values, so every
-program can l2norm them itself; that is 2 dk loads against dk * BLOCK_DV state loads), reads its state
-tile [dk, BLOCK_DV] once, applies decay, delta update and readout in registers, and writes the tile back
-over the input (`input_output_aliases` state -> new state). Columns of S are independent in the update
-(u[e] needs only column e of S), so splitting dv costs nothing but the repeated l2norm, and gives
-B * nv * dv / BLOCK_DV programs: 64 at B = 1 on the 4B model (32 value heads), 4096 at B = 64, where one
-program per head would leave the H200's 132 SMs mostly idle at small batches. The kernel is
-memory bound: 2 * 4 * dk * dv bytes of state per head against ~7 dk dv FLOPs.
-In place is safe: each tile is read and written by one program only, and the stored S[d, e] depends on
-u[e], a reduction over the loaded column e, so every load of a column completes before any store to it.
-BLOCK_DV and NUM_WARPS come from `tools/bench_gdn_decode.py --sweep` on the H200 (docs/kernels.md).
-
-In-pool variant (`gdn_decode_pool_ref`, `gdn_decode_pool_pallas`): the same step, reading and writing the rows
-of the slot pool directly instead of a gathered copy, so the states cross HBM once a step (read + write)
-instead of three times (gather, kernel, scatter):
     pool        [L, S, nv, dk, dv] fp32: every GDN layer's recurrent state of every slot
     layer       int32 scalar (may be traced): which layer of the pool this call updates
     slots       [B] int32, 0 <= slots[b] < S: row b's state is pool[layer, slots[b]]
-Returns o as above and the pool with rows (layer, slots[b]) replaced by the new states; every other row is
-left as it was (the kernel never touches it: bit-identical). The Pallas kernel aliases the pool input to the
-pool output, so under jit with the pool donated (or carried in a loop) the update happens in place and no
-copy of the pool is made; without donation XLA copies the pool first to honour the alias.
+Returns o [B, nv, dv] in v's dtype and the pool with rows (layer, slots[b]) replaced by the new states; every other
+row is left as it was (the kernel never touches it: bit-identical). `gdn_decode_ref` is the same step on gathered
+states [B, nv, dk, dv] (the pool reference and the prefill tests' token-by-token oracle).
+
+Why in the pool: reading and writing the step's rows where they live, the states cross HBM once a step (read +
+write) instead of three times (gather, kernel, scatter). The Pallas kernel aliases the pool input to the pool
+output, so under jit with the pool donated (or carried in a loop) the update happens in place and no copy of the
+pool is made; without donation XLA copies the pool first to honour the alias.
+
+Pallas kernel (Triton lowering): grid (B, nv, dv / block_dv). One program owns the column block
+S[:, block] of one (row, value head): it reads q and k of key head h // ratio whole (dk values, so every
+program can l2norm them itself; that is 2 dk loads against dk * block_dv state loads), reads its state
+tile [dk, block_dv] once, applies decay, delta update and readout in registers, and writes the tile back.
+Columns of S are independent in the update (u[e] needs only column e of S), so splitting dv costs nothing but
+the repeated l2norm, and gives B * nv * dv / block_dv programs: 64 at B = 1 on the 4B model (32 value heads),
+4096 at B = 64, where one program per head would leave the H200's 132 SMs mostly idle at small batches. The
+kernel is memory bound: 2 * 4 * dk * dv bytes of state per head against ~7 dk dv FLOPs.
+In place is safe: each tile is read and written by one program only, and the stored S[d, e] depends on
+u[e], a reduction over the loaded column e, so every load of a column completes before any store to it.
 Slots must be distinct, except that padding rows may all point at one trash slot (the engine's last slot):
 rows sharing a slot race (their programs load and store the same tiles in no defined order, so the slot ends
 up with some mix of their updates, and a row may even read another's half-written state; the reference's
@@ -51,7 +46,7 @@ address arithmetic in the lowered Triton IR at 4B shapes.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -60,12 +55,23 @@ from jax.experimental.pallas import triton as pltriton
 
 from qwen35_jax.kernels.gdn_prefill import prepare_qk
 
-BLOCK_DV = 64  # state tile [128, 64] fp32 = 128 registers a thread at 2 warps
-NUM_WARPS = 2  # best of the H200 sweep at batch 64: 83.8 us, 75% of 4.3 TB/s (docs/kernels.md)
 EPS = 1e-6
 
 
+@dataclasses.dataclass(frozen=True)
+class GdnDecodeTuning:
+    """The state tile's columns a program, block_dv (a [128, 64] fp32 tile is 128 registers a thread at 2 warps),
+    and warps. Best of the H200 sweep (`tools/bench_gdn_decode.py --sweep`) at batch 64: 83.8 us, 75% of 4.3 TB/s."""
+
+    block_dv: int = 64
+    num_warps: int = 2
+
+
+GDN_DECODE_TUNING = GdnDecodeTuning()
+
+
 def gdn_decode_ref(q, k, v, g, beta, state):
+    """The step on gathered states [B, nv, dk, dv] fp32 -> (o [B, nv, dv] in v's dtype, the new states)."""
     q, k = prepare_qk(q, k, v.shape[-2])
     state = state * jnp.exp(g.astype(jnp.float32))[..., None, None]
     v32 = v.astype(jnp.float32)
@@ -90,14 +96,8 @@ def _step(q_ref, k_ref, v_ref, g_ref, beta_ref, state):
     return jnp.sum(state * q[:, None], axis=0), state
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, new_state_ref):
-    """q_ref, k_ref [dk]; v_ref, o_ref [block]; g_ref, beta_ref []; state_ref, new_state_ref [dk, block]."""
-    o, new_state_ref[...] = _step(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref[...])
-    o_ref[...] = o.astype(o_ref.dtype)
-
-
 def _tiling(q, v, block_dv: int):
-    """(block_dv, grid (B, nv, dv / block_dv), (key, value, per-head) BlockSpecs) of both decode kernels."""
+    """(grid (B, nv, dv / block_dv), (key, value, per-head) BlockSpecs) of the kernel."""
     batch, num_value_heads, dv = v.shape
     dk = q.shape[-1]
     ratio = num_value_heads // q.shape[1]
@@ -107,29 +107,7 @@ def _tiling(q, v, block_dv: int):
     key_spec = pl.BlockSpec((None, None, dk), lambda b, h, j: (b, h // ratio, 0))
     value_spec = pl.BlockSpec((None, None, block_dv), lambda b, h, j: (b, h, j))
     head_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, h))
-    return block_dv, (batch, num_value_heads, dv // block_dv), (key_spec, value_spec, head_spec)
-
-
-@functools.partial(jax.jit, static_argnames=("block_dv", "num_warps", "interpret"))
-def gdn_decode_blocked(q, k, v, g, beta, state, *, block_dv: int, num_warps: int, interpret: bool = False):
-    """`gdn_decode_pallas` with explicit tiling (the benchmark sweeps it)."""
-    block_dv, grid, (key_spec, value_spec, head_spec) = _tiling(q, v, block_dv)
-    state_spec = pl.BlockSpec((None, None, q.shape[-1], block_dv), lambda b, h, j: (b, h, 0, j))
-    return pl.pallas_call(
-        _decode_kernel,
-        grid=grid,
-        in_specs=[key_spec, key_spec, value_spec, head_spec, head_spec, state_spec],
-        out_specs=[value_spec, state_spec],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, jnp.float32)],
-        input_output_aliases={5: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="gdn_decode",
-    )(q, k, v, g.astype(jnp.float32), beta, state)
-
-
-def gdn_decode_pallas(q, k, v, g, beta, state, *, interpret=False):
-    return gdn_decode_blocked(q, k, v, g, beta, state, block_dv=BLOCK_DV, num_warps=NUM_WARPS, interpret=interpret)
+    return (batch, num_value_heads, dv // block_dv), (key_spec, value_spec, head_spec)
 
 
 def gdn_decode_pool_ref(q, k, v, g, beta, pool, layer, slots):
@@ -139,8 +117,8 @@ def gdn_decode_pool_ref(q, k, v, g, beta, pool, layer, slots):
 
 
 def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, new_pool_ref):
-    """layer_ref [1], slots_ref [B] int32; pool_ref, new_pool_ref the whole [L, S, nv, dk, dv] pool (one buffer on
-    the GPU, aliased); the rest as in `_decode_kernel`."""
+    """layer_ref [1], slots_ref [B] int32; q_ref, k_ref [dk]; v_ref, o_ref [block_dv]; g_ref, beta_ref []; pool_ref,
+    new_pool_ref the whole [L, S, nv, dk, dv] pool (one buffer on the GPU, aliased)."""
     row, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_dv = o_ref.shape[0]
     # This program's tile pool[layer, slots[row], head, :, block]. Scalar indices into the pl.ANY ref: the
@@ -152,15 +130,14 @@ def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_r
     o_ref[...] = o.astype(o_ref.dtype)
 
 
-def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, *, interpret=False, block_dv=None, num_warps=None):
+def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, *, interpret=False,
+                           tuning: GdnDecodeTuning = GDN_DECODE_TUNING):  # fmt: skip
     """Pallas version of `gdn_decode_pool_ref` (same arguments and result; module notes for the aliasing and
-    the trash-slot rule). block_dv and num_warps tile it as in `gdn_decode_blocked` (None: BLOCK_DV,
-    NUM_WARPS). Not jitted, and lax primitives only around the pallas_call, like the attention wrappers: the
-    model may call it inside stream-annotated regions, where a nested jit fails."""
-    num_warps = num_warps or NUM_WARPS
+    the trash-slot rule). Not jitted, and lax primitives only around the pallas_call, like the attention wrappers:
+    the model may call it inside stream-annotated regions, where a nested jit fails."""
     _, num_value_heads, dv = v.shape
     assert pool.dtype == jnp.float32 and pool.shape[2:] == (num_value_heads, q.shape[-1], dv), (pool.shape, pool.dtype)
-    _, grid, (key_spec, value_spec, head_spec) = _tiling(q, v, block_dv or BLOCK_DV)
+    grid, (key_spec, value_spec, head_spec) = _tiling(q, v, tuning.block_dv)
     whole = pl.BlockSpec(memory_space=pl.ANY)  # no blocking: the kernel computes its pool tile from slots
     return pl.pallas_call(
         _pool_decode_kernel,
@@ -169,7 +146,7 @@ def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, *, interpret=Fa
         out_specs=[value_spec, whole],
         out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(pool.shape, jnp.float32)],
         input_output_aliases={7: 1},  # pool in -> pool out: only the step's rows are written
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_decode_pool",
     )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(slots, jnp.int32), q, k, v, g.astype(jnp.float32), beta,

@@ -12,12 +12,13 @@ Tolerances are the attention tests' (`TOL`), and why they hold here:
   multiplies o_c by exp(lse_c - m) instead of summing its terms under m, a few fp32 roundings: measured
   <= 6e-7 on the ragged cases against the 1e-5 allowed.
 - bf16: a row with a prefix is rounded to bf16 twice (o_c, then the merged result), one more 2^-8 relative
-  rounding than the one-kernel version; with the probabilities' roundings that is still within 2^-7.
+  rounding than attention in one pass; with the probabilities' roundings that is still within 2^-7.
 - Rows with start = 0 are the chunk part's output bit for bit (the prefix pass leaves their tiles alone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -36,17 +37,18 @@ from test_kernels_attention import (
     poison,
     prefill_case,
 )
+from test_kernels_gdn_decode import triton_modules  # the Triton IR of a lowered pallas_call
 
 from qwen35_jax import kernels
 from qwen35_jax.kernels import chunk_attention
 from qwen35_jax.kernels.chunk_attention import (
     chunk_attention_ref,
-    paged_prefill_attention_triton,
+    paged_prefill_attention_ref,
     prefill_attention_pallas,
     prefill_attention_ref,
     prefix_merge_pallas,
+    prefix_tuning,
 )
-from qwen35_jax.kernels.prefill_attention import paged_prefill_attention_ref
 
 
 def with_chunk_kv(rng, args):
@@ -67,8 +69,12 @@ def with_chunk_kv(rng, args):
     return (q, *out, k_pages, v_pages, layer, table, start, lengths)
 
 
-def run_split(args, **options):
-    return jax.jit(lambda *a: prefill_attention_pallas(*a, interpret=True, **options))(*args)
+def run_split(args, tile_rows=None, block_k=None):
+    """The split form in interpret mode with the measured prefix-pass tiles for q's dtype, tile_rows and block_k
+    replaced where given."""
+    tiles = {k: v for k, v in dict(tile_rows=tile_rows, block_k=block_k).items() if v}
+    tuning = dataclasses.replace(prefix_tuning(args[0].dtype), **tiles)
+    return jax.jit(lambda *a: prefill_attention_pallas(*a, interpret=True, tuning=tuning))(*args)
 
 
 def paged_only(args):
@@ -79,21 +85,22 @@ def paged_only(args):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "page_size, block_q, block_k",
-    [(16, None, 16), (8, 4, 16), (32, 8, 8)],
+    "page_size, tile_rows, block_k",
+    [(16, None, 16), (8, 16, 16), (32, 32, 8)],
     ids=["ps16-default-q-block", "ps8-block-spans-pages", "ps32-blocks-within-a-page"],
 )
-def test_split_matches_ref_on_ragged_rows(dtype, page_size, block_q, block_k):
+def test_split_matches_ref_on_ragged_rows(dtype, page_size, tile_rows, block_k):
     """A fresh prompt (start 0: the prefix pass skips it); a chunk starting 3 tokens before a page boundary with a
     ragged length (its prefix ends inside a key block: the masked last block); a one-token chunk after a long
-    prefix; a padding row. The chunk (24) is no multiple of the query block, so the tiles are padded."""
+    prefix; a padding row. The chunk (24) is no multiple of the query block, so the tiles are padded (tile rows
+    16 and 32 are query blocks of 4 and 8 at group 4)."""
     rng = np.random.default_rng([page_size, block_k])
     chunk = 24
     starts, lengths = [0, 4 * page_size - 3, 8 * page_size + 7, 0], [chunk, chunk - 5, 1, 0]
     args = with_chunk_kv(rng, prefill_case(rng, starts, lengths, chunk, heads=8, kv_heads=2, dim=32,
                                            page_size=page_size, dtype=dtype))  # fmt: skip
     ref = paged_only(args)
-    compare_prefill(run_split(args, block_q=block_q, block_k=block_k), ref, lengths, dtype)
+    compare_prefill(run_split(args, tile_rows=tile_rows, block_k=block_k), ref, lengths, dtype)
     compare_prefill(prefill_attention_ref(*args), ref, lengths, dtype)
 
 
@@ -129,7 +136,7 @@ def test_prefix_pass_reads_nothing_at_or_past_start():
     ref = paged_only(args)
     q, k, v, k_pages, v_pages, layer, table, start, length = args
     k_bad, v_bad, bad_table = poison(k_pages, v_pages, table, starts, [0] * len(starts), page_size)
-    out = run_split((q, k, v, k_bad, v_bad, layer, bad_table, start, length), block_q=4, block_k=8)
+    out = run_split((q, k, v, k_bad, v_bad, layer, bad_table, start, length), tile_rows=16, block_k=8)
     compare_prefill(out, ref, lengths, jnp.float32)
 
 
@@ -147,23 +154,6 @@ def test_chunk_attention_ref_lse():
     np.testing.assert_allclose(np.asarray(out), values, **TOL[jnp.float32])
 
 
-def test_swap_to_the_one_kernel_triton_version():
-    """`pallas+prefill_attention=triton` swaps in the one-kernel version; an unknown alternative is refused."""
-    mix = kernels.mixers("pallas+prefill_attention=triton")
-    assert mix.prefill_attention is kernels.ALTERNATIVES["prefill_attention"]["triton"][0]
-    assert mix.decode_attention is kernels.PALLAS.decode_attention
-    rng = np.random.default_rng(2)
-    args = with_chunk_kv(rng, prefill_case(rng, [5, 0], [6, 6], 6, heads=4, kv_heads=2, dim=16, page_size=4,
-                                           dtype=jnp.float32))  # fmt: skip
-    interpreted = kernels.mixers("pallas+prefill_attention=triton", interpret=True).prefill_attention
-    compare_prefill(interpreted(*args), paged_only(args), [6, 6], jnp.float32)
-    with pytest.raises(ValueError, match="named alternative"):
-        kernels.mixers("pallas+prefill_attention=cudnn")
-    with pytest.raises(ValueError, match="named alternative"):
-        kernels.mixers("pallas+linear=triton")
-    assert paged_prefill_attention_triton.__doc__
-
-
 def test_pallas_on_a_gpu_without_tokamax_fails_before_any_weight(monkeypatch):
     """check_selectable (run by the flags before weights load) names the missing library and the way out."""
 
@@ -173,7 +163,6 @@ def test_pallas_on_a_gpu_without_tokamax_fails_before_any_weight(monkeypatch):
     monkeypatch.setattr(chunk_attention, "tokamax_attention", missing)
     with pytest.raises(ValueError, match="--kernels pallas: No module named 'tokamax'"):
         kernels.check_selectable("pallas", platform="gpu")
-    kernels.check_selectable("pallas+prefill_attention=triton", platform="gpu")
     kernels.check_selectable("pallas+prefill_attention=ref", platform="gpu")
 
 
@@ -189,12 +178,13 @@ def test_tokamax_missing_message_says_what_to_do(monkeypatch):
 
     chunk_attention.tokamax_attention.cache_clear()
     monkeypatch.setattr(builtins, "__import__", no_tokamax)
-    with pytest.raises(ImportError, match=r"pip install 'qwen35-jax\[gpu\]'.*prefill_attention=triton"):
+    with pytest.raises(ImportError, match=r"pip install 'qwen35-jax\[gpu\]'.*--kernels ref"):
         chunk_attention.tokamax_attention()
 
 
 def test_prefix_pass_holds_no_nested_jit():
-    """lax primitives only around the pallas_call (the stream-annotated regions of DESIGN section 6)."""
+    """lax primitives only around the pallas_call: the model calls it inside stream-annotated regions, where a
+    nested jit fails at run time."""
     spec = jax.ShapeDtypeStruct
     pages = spec((2, 8, 16, 2, 32), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda *a: prefix_merge_pallas(*a, interpret=True))(
@@ -208,7 +198,9 @@ def test_prefix_pass_holds_no_nested_jit():
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_prefix_pass_lowers_for_h200_in_place():
     """The 4B prefix pass at an 8192-token chunk: grid 1 x 4 KV heads x 256 query blocks, one Triton kernel whose
-    output aliases the chunk part's output (no copy of a 64 MiB tile buffer), no pad around it."""
+    output aliases the chunk part's output (no copy of a 64 MiB tile buffer), no pad around it. Its softmax calls
+    libdevice's exp2f and no expf, and the unmasked key loop (the first scf.for) holds no per-lane division or
+    remainder of the page index (the static page alignment of block_k 64 over pages of 16)."""
     spec = jax.ShapeDtypeStruct
     pages = spec((2, 600, 16, 4, 256), jnp.bfloat16)
     q = spec((1, 8192, 16, 256), jnp.bfloat16)
@@ -217,12 +209,17 @@ def test_prefix_pass_lowers_for_h200_in_place():
     text = lowered.as_text()
     assert "output_operand_aliases" in text and "stablehlo.pad" not in text
     assert re.findall(r"grid_[xyz] = (\d+)", text) == ["1", "4", "256"]
+    [triton] = triton_modules(lowered)
+    assert "__nv_exp2f" in triton and "__nv_expf" not in triton
+    unmasked_loop = triton[triton.index("scf.for") : triton.index("scf.yield")]
+    per_lane_index = re.findall(r"arith\.(?:divsi|remsi) .* : tensor<64xi32>", unmasked_loop)
+    assert not per_lane_index, per_lane_index
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_fp32_prefix_pass_takes_the_fp32_tiles():
-    """fp32 takes PREFILL_TUNING's fp32 tiles (32 rows: query blocks of 8 for group 4), as the one-kernel version:
-    at bf16's 128-row tiles the H200 refused the fp32 program (288 KiB of shared memory; session 8's GPU run)."""
+    """fp32 takes the fp32 tiles of `prefix_tuning` (32 rows: query blocks of 8 for group 4): at bf16's 128-row
+    tiles the H200 refused the fp32 program (288 KiB of shared memory)."""
     spec = jax.ShapeDtypeStruct
     pages = spec((2, 64, 16, 4, 256), jnp.float32)
     q = spec((1, 512, 16, 256), jnp.float32)

@@ -1,5 +1,5 @@
-"""Causal conv1d + SiLU: the Pallas update and prefill kernels against their references, in interpret mode on
-the CPU and compiled on the GPU (`-m gpu`), with conv states carried across calls as the engine carries them.
+"""Causal conv1d + SiLU: the Pallas in-pool update and prefill kernels against their references, in interpret mode
+on the CPU and compiled on the GPU (`-m gpu`), with conv states carried across calls as the engine carries them.
 
 Tolerances:
 - y in fp32: both sides sum the K products in the same order in fp32 and apply the same SiLU; what is left is
@@ -28,7 +28,6 @@ from _lowering import lower_for_h200
 from qwen35_jax.kernels.conv1d import (
     causal_conv1d_prefill_pallas,
     causal_conv1d_prefill_ref,
-    causal_conv1d_update_pallas,
     causal_conv1d_update_pool_pallas,
     causal_conv1d_update_pool_ref,
     causal_conv1d_update_ref,
@@ -73,21 +72,6 @@ def conv_inputs(key, lead, channels, dtype, fresh=False):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("batch, channels", [(1, 96), (3, 384), (8, 8192)])
-def test_update_matches_ref_over_steps(batch, channels, dtype):
-    """Four consecutive one-token updates, each implementation fed its own state back."""
-    _, weight, state = conv_inputs(jax.random.PRNGKey(0), (batch,), channels, dtype)
-    kernel_state = ref_state = state
-    for step in range(4):
-        x = jax.random.normal(jax.random.PRNGKey(step + 1), (batch, channels)).astype(dtype)
-        y, kernel_state = causal_conv1d_update_pallas(x, weight, kernel_state, interpret=True)
-        ref_y, ref_state = causal_conv1d_update_ref(x, weight, ref_state)
-        assert y.dtype == dtype and y.shape == x.shape and kernel_state.shape == state.shape
-        assert_y_close(y, ref_y, dtype, f"y, step {step}")
-        assert_state_equal(kernel_state, ref_state, f"state, step {step}")
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "seq, lengths, fresh",
     [(48, [48, 0, 13, 31], False), (48, [2, 47, 0, 16], True), (24, [24, 5, 1, 0], False), (13, [13, 3, 0, 12], False)],
@@ -109,17 +93,19 @@ def test_prefill_ragged_matches_ref(seq, lengths, fresh, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_prefill_then_updates_equals_one_longer_prefill(dtype):
-    """Prefill 20 tokens, then decode 5 one at a time: the same outputs and state as one 25-token prefill."""
+    """Prefill 20 tokens, then decode 5 one at a time in the pool (the rows' states as slots 0-2 of a one-layer
+    pool): the same outputs and state as one 25-token prefill."""
     x, weight, state = conv_inputs(jax.random.PRNGKey(3), (3, 32), 256, dtype)
     prefix, total = 20, 25
     y, conv = causal_conv1d_prefill_pallas(x, weight, state, jnp.full(3, prefix, jnp.int32), interpret=True)
-    ys = [y[:, :prefix]]
+    ys, pool, slots = [y[:, :prefix]], conv[None], jnp.arange(3, dtype=jnp.int32)
+    update = jax.jit(lambda *a: causal_conv1d_update_pool_pallas(*a, interpret=True))
     for t in range(prefix, total):
-        y_t, conv = causal_conv1d_update_pallas(x[:, t], weight, conv, interpret=True)
+        y_t, pool = update(x[:, t], weight, pool, jnp.int32(0), slots)
         ys.append(y_t[:, None])
     ref_y, ref_state = causal_conv1d_prefill_ref(x, weight, state, jnp.full(3, total, jnp.int32))
     assert_y_close(jnp.concatenate(ys, axis=1), ref_y[:, :total], dtype)
-    assert_state_equal(conv, ref_state)
+    assert_state_equal(pool[0], ref_state)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -215,14 +201,11 @@ def test_update_pool_wrapper_holds_no_nested_jit():
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-def test_lowers_to_triton_for_h200():
+def test_prefill_lowers_to_triton_for_h200():
     """4B shapes (C = 8192, K = 4) through the Triton lowering: tensor sizes are powers of two, every
-    primitive has a rule, and the grids are (B, C/512) and (P, T/16, C/256)."""
+    primitive has a rule, and the grid is (P, T/16, C/256)."""
     spec = jax.ShapeDtypeStruct
     weight = spec((8192, TAPS), jnp.bfloat16)
-    update = lower_for_h200(
-        causal_conv1d_update_pallas, spec((256, 8192), jnp.bfloat16), weight, spec((256, 3, 8192), jnp.bfloat16)
-    ).as_text()
     prefill = lower_for_h200(
         causal_conv1d_prefill_pallas,
         spec((4, 512, 8192), jnp.bfloat16),
@@ -230,7 +213,6 @@ def test_lowers_to_triton_for_h200():
         spec((4, 3, 8192), jnp.bfloat16),
         spec((4,), jnp.int32),
     ).as_text()
-    assert re.findall(r"grid_[xyz] = (\d+)", update) == ["256", "16", "1"]
     assert re.findall(r"grid_[xyz] = (\d+)", prefill) == ["4", "32", "32"]
 
 
@@ -240,21 +222,6 @@ def test_host_math_agrees_with_the_cpu_reference():
     ref_y, _ = causal_conv1d_prefill_ref(x, weight, state, jnp.array([64, 10], jnp.int32))
     window = np.concatenate([np.float32(state), np.float32(x)], axis=1)
     assert_y_close(exact_conv_silu(window, weight, 64), ref_y, jnp.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 256])
-def test_gpu_update_matches_host_math_at_4b_shapes(batch):
-    _, weight, state = conv_inputs(jax.random.PRNGKey(0), (batch,), 8192, jnp.bfloat16)
-    step, ref_step = jax.jit(causal_conv1d_update_pallas), jax.jit(causal_conv1d_update_ref)
-    conv = ref_conv = state
-    for i in range(3):
-        x = jax.random.normal(jax.random.PRNGKey(i + 1), (batch, 8192)).astype(jnp.bfloat16)
-        window = np.concatenate([np.float32(conv), np.float32(x)[:, None]], axis=1)
-        y, conv = step(x, weight, conv)
-        _, ref_conv = ref_step(x, weight, ref_conv)
-        assert_y_close(y, exact_conv_silu(window, weight, 1)[:, 0], jnp.bfloat16)
-        assert_state_equal(conv, ref_conv)
 
 
 @pytest.mark.gpu

@@ -4,19 +4,18 @@ token-by-token recurrence of the decode reference.
 Tolerances, as max |error| / max |reference| over a tensor:
 - fp32 inputs: 2e-5. Both sides are fp32 end to end (the kernel's matmuls use exact fp32 operands); what is
   left is summation order and the blocked triangular solve against `solve_triangular`: measured <= 4e-7 here.
-- bf16 inputs: 2.5e-2 for outputs, 1.5e-2 for states, a bound for both operand precisions (`dots`; the default
-  "tf32" has its own, tighter test). The reference runs in fp32 on the same bf16 inputs, while with dots="bf16"
-  the kernel rounds every matmul operand (normalised q/k, the WY factors w/u, the state, V') to bf16
-  (2^-9 = 0.2% each, several chained per chunk) with fp32 accumulation, as flash-linear-attention does, and the
-  output itself is bf16 (0.4% at its largest values): measured <= 0.8% (outputs) and <= 0.6% (states). A wrong
-  gate, mask, decay or state hand-off moves these by tens of percent.
+- bf16 inputs: 2.5e-2 for outputs, 1.5e-2 for states. The reference runs in fp32 on the same bf16 inputs; the
+  kernel rounds the `_coarse` products' operands (and W) to bf16 and the output itself is bf16 (0.4% at its
+  largest values). The bound holds even with every matmul operand rounded to bf16 (2^-9 = 0.2% each, several
+  chained per chunk, as flash-linear-attention does: measured <= 0.8% (outputs) and <= 0.6% (states)); the
+  kernel's TF32 operands are closer, which `test_tf32_dots_are_as_close_to_fp32_as_the_reference` checks. A
+  wrong gate, mask, decay or state hand-off moves these by tens of percent.
 Outputs are compared at valid tokens only; at padding tokens the kernel writes zeros (checked).
-Every kernel test runs both output passes, "fused" (output inside the sequential pass) and "parallel" (per-chunk start
-states stored, output in a third, parallel pallas_call), against the same tolerances: both round the same operands.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import warnings
@@ -28,10 +27,15 @@ import pytest
 from _lowering import lower_for_h200
 
 from qwen35_jax.kernels.gdn_decode import gdn_decode_ref
-from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
+from qwen35_jax.kernels.gdn_prefill import (
+    _unit_lower_inverses,
+    _unit_lower_inverses_doubling,
+    gdn_chunked_prefill_pallas,
+    gdn_chunked_prefill_ref,
+    gdn_prefill_tuning,
+)
 
 TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2.5e-2, 1.5e-2)}  # (outputs, states)
-OUTPUT_PASSES = ["fused", "parallel"]
 
 
 def make_inputs(seed, rows, seq, nk, nv, dk, dv, dtype):
@@ -65,43 +69,43 @@ def assert_matches(out, state, out_ref, state_ref, lengths, dtype):
     assert relative_error(state, state_ref) <= state_tol
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_v", "output_pass", "dots"))
-def pallas(q, k, v, g, beta, state, lengths, interpret=True, block_v=None, output_pass="fused", dots=None):
-    return gdn_chunked_prefill_pallas(
-        q, k, v, g, beta, state, lengths, interpret=interpret, block_v=block_v, output_pass=output_pass, dots=dots
-    )
+def tuned(v, **tiles):
+    """The measured tiles for v's rows and heads with `tiles` replaced, or None (the kernel's default) without any."""
+    rows, _, heads, dv = v.shape
+    return dataclasses.replace(gdn_prefill_tuning(rows, heads, dv), **tiles) if tiles else None
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+def pallas(q, k, v, g, beta, state, lengths, interpret=True, tuning=None):
+    return gdn_chunked_prefill_pallas(q, k, v, g, beta, state, lengths, interpret=interpret, tuning=tuning)
 
 
 reference = jax.jit(gdn_chunked_prefill_ref)
 
 
-@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
 @pytest.mark.parametrize(
     "seq, nk, nv, dk, dv, dtype, block_v",
     [
         (192, 2, 4, 128, 128, "float32", None),  # real head size, value/key ratio 2
         (192, 2, 4, 128, 128, "bfloat16", 64),
-        (192, 2, 4, 128, 128, "bfloat16-dots", 64),  # the bf16-operand form (dots="bf16")
         (80, 2, 2, 32, 16, "float32", None),  # ratio 1; T a multiple of 16, not of 64
         (16, 1, 1, 16, 32, "bfloat16", None),  # the smallest chunk bucket
-        (16, 1, 1, 16, 32, "bfloat16-dots", None),
     ],
 )
-def test_matches_reference_on_ragged_rows(seq, nk, nv, dk, dv, dtype, block_v, output_pass):
+def test_matches_reference_on_ragged_rows(seq, nk, nv, dk, dv, dtype, block_v):
     """Rows of different lengths in one call (full, not a multiple of 64, empty, one token), each from its own state."""
-    dtype, _, dots = dtype.partition("-")
     inputs = make_inputs(0, 4, seq, nk, nv, dk, dv, jnp.dtype(dtype))
     lengths = jnp.array([seq, seq - 13, 0, 1], jnp.int32)
-    out, state = pallas(*inputs, lengths, block_v=block_v, output_pass=output_pass, dots="bf16" if dots else None)
+    tiles = {"block_v": block_v} if block_v else {}
+    out, state = pallas(*inputs, lengths, tuning=tuned(inputs[2], **tiles))
     out_ref, state_ref = reference(*inputs, lengths)
     assert out.dtype == out_ref.dtype and state.dtype == jnp.float32
     assert_matches(out, state, out_ref, state_ref, lengths, dtype)
     np.testing.assert_array_equal(state[2], inputs[-1][2])  # the empty row keeps its state bit for bit
 
 
-@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
-def test_tf32_dots_are_as_close_to_fp32_as_the_reference(output_pass):
-    """dots="tf32" (the default) keeps the products the output is sensitive to in fp32 operands (exact fp32 in
+def test_tf32_dots_are_as_close_to_fp32_as_the_reference():
+    """On bf16 inputs the kernel keeps the products the output is sensitive to in fp32 operands (exact fp32 in
     interpret mode; TF32 on the GPU). Against the fp32 truth (the reference on the same inputs in fp32, fp32 out), its
     output error is within 1.25x of the reference's own (bf16 output rounding alone: 0.34% here; tf32 measured
     1.04x, the bf16 form 1.64x) and its state error <= 2e-3 (tf32 measured 1.3e-3, bf16 4.8e-3), so this fails if
@@ -111,8 +115,7 @@ def test_tf32_dots_are_as_close_to_fp32_as_the_reference(output_pass):
     valid = valid_mask(lengths, 192)[..., None, None]
     out_ref, _ = reference(q, k, v, g, beta, state, lengths)
     truth, truth_state = reference(*(x.astype(jnp.float32) for x in (q, k, v, g, beta)), state, lengths)
-    run = jax.jit(functools.partial(gdn_chunked_prefill_pallas, interpret=True, dots="tf32", output_pass=output_pass))
-    out, new_state = run(q, k, v, g, beta, state, lengths)
+    out, new_state = pallas(q, k, v, g, beta, state, lengths)
 
     def error(x):
         return relative_error(np.where(valid, x, 0.0), np.where(valid, truth, 0.0))
@@ -121,8 +124,7 @@ def test_tf32_dots_are_as_close_to_fp32_as_the_reference(output_pass):
     assert relative_error(new_state, truth_state) <= 2e-3
 
 
-@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
-def test_padding_tokens_are_inert(output_pass):
+def test_padding_tokens_are_inert():
     """Garbage (NaN) at padding tokens changes neither the states nor the valid outputs; padding rows keep their
     state bit for bit."""
     seq = 160  # the shapes of test_state_carries_across_calls: one compile for both
@@ -130,7 +132,7 @@ def test_padding_tokens_are_inert(output_pass):
     lengths = jnp.array([100, 0, 64], jnp.int32)
     padding = ~valid_mask(lengths, seq)
     poisoned = [jnp.where(padding.reshape(padding.shape + (1,) * (x.ndim - 2)), jnp.nan, x) for x in (q, k, v, g, beta)]
-    out, new_state = pallas(*poisoned, state, lengths, output_pass=output_pass)
+    out, new_state = pallas(*poisoned, state, lengths)
     out_ref, state_ref = reference(q, k, v, g, beta, state, lengths)
     assert_matches(out, new_state, out_ref, state_ref, lengths, jnp.float32)
     np.testing.assert_array_equal(new_state[1], state[1])
@@ -149,8 +151,7 @@ def recurrence(q, k, v, g, beta, state, lengths):
     return jnp.moveaxis(outs, 0, 1), state
 
 
-@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
-def test_state_carries_across_calls(output_pass):
+def test_state_carries_across_calls():
     """Two calls (each row split at its own point) equal one call over the concatenation, and both equal the
     token-by-token recurrence. Row 2 repeats one key with beta ~ 1 and no decay: the hardest triangular solve."""
     seq, nv = 160, 2
@@ -161,13 +162,12 @@ def test_state_carries_across_calls(output_pass):
     lengths = jnp.array([seq, 150, 130], jnp.int32)
     split = np.array([64, 37, 100])  # tokens of each row in the first call
 
-    run = functools.partial(pallas, output_pass=output_pass)
-    out_full, state_full = run(q, k, v, g, beta, state, lengths)
+    out_full, state_full = pallas(q, k, v, g, beta, state, lengths)
     first = jnp.asarray(split, jnp.int32)
-    out_1, state_1 = run(q, k, v, g, beta, state, first)
+    out_1, state_1 = pallas(q, k, v, g, beta, state, first)
     rest = [np.arange(seq) + s for s in split]  # each row's continuation, shifted to the front
     take = lambda x: jnp.stack([jnp.take(x[p], np.minimum(rest[p], seq - 1), axis=0) for p in range(3)])  # noqa: E731
-    out_2, state_2 = run(take(q), take(k), take(v), take(g), take(beta), state_1, lengths - first)
+    out_2, state_2 = pallas(take(q), take(k), take(v), take(g), take(beta), state_1, lengths - first)
     out_rec, state_rec = jax.jit(recurrence)(q, k, v, g, beta, state, lengths)
 
     assert relative_error(state_2, state_full) <= 2e-5
@@ -185,61 +185,41 @@ def test_full_width_output_slices_match_the_default(dtype):
     chooses which columns a program writes), so they agree to summation order (1e-6 relative)."""
     inputs = make_inputs(2, 3, 144, 2, 4, 128, 128, jnp.dtype(dtype))
     lengths = jnp.array([144, 77, 1], jnp.int32)
-    run = functools.partial(gdn_chunked_prefill_pallas, interpret=True, output_pass="parallel")
-    out, state = jax.jit(functools.partial(run, output_block_v=128))(*inputs, lengths)
+    out, state = pallas(*inputs, lengths, tuning=tuned(inputs[2], output_block_v=128))
     out_ref, state_ref = reference(*inputs, lengths)
     assert_matches(out, state, out_ref, state_ref, lengths, dtype)
-    out_default, _ = jax.jit(run)(*inputs, lengths)
+    out_default, _ = pallas(*inputs, lengths)
     assert relative_error(np.asarray(out, np.float32), np.asarray(out_default, np.float32)) <= 1e-6
 
 
-@pytest.mark.parametrize("solve", ["rows", "doubling"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_doubling_solve_matches_reference_on_ragged_rows(dtype, solve):
-    """The WY kernel's diagonal-block inverses by repeated squaring (solve="doubling") give the reference's result
-    within the same tolerances as the row-by-row solve, at the real head size; the two solves agree to 1e-5 of the
-    output in fp32 (the squaring's rounding, <= 1.3e-5 of the inverse on near-duplicate keys, is far below the
-    fp32 tolerance on these inputs)."""
+def test_matches_reference_at_the_real_head_size(dtype):
+    """The real head size with both diagonal-block solves the kernel takes (bf16 inputs: repeated squaring; fp32:
+    row by row) against the reference within the usual tolerances."""
     inputs = make_inputs(1, 3, 144, 2, 4, 128, 128, jnp.dtype(dtype))
     lengths = jnp.array([144, 77, 1], jnp.int32)
-    run = jax.jit(functools.partial(gdn_chunked_prefill_pallas, interpret=True, output_pass="parallel", solve=solve))
-    out, state = run(*inputs, lengths)
+    out, state = pallas(*inputs, lengths)
     out_ref, state_ref = reference(*inputs, lengths)
     assert_matches(out, state, out_ref, state_ref, lengths, dtype)
-    if dtype == "float32" and solve == "doubling":
-        out_rows, _ = jax.jit(functools.partial(gdn_chunked_prefill_pallas, interpret=True, output_pass="parallel"))(
-            *inputs, lengths
-        )
-        assert relative_error(out, out_rows) <= 1e-5
 
 
-@pytest.mark.parametrize("solve", ["rows", "doubling"])
+@pytest.mark.parametrize("solve", [_unit_lower_inverses, _unit_lower_inverses_doubling], ids=["rows", "doubling"])
 def test_diagonal_block_inverses_are_exact_in_fp32(solve):
     """Both solves of the WY kernel, called as plain functions, on strictly lower 16 x 16 blocks with entries up to
     1 (near-duplicate keys without decay: every power of L up to L^15 matters; with the model's decays the high
     powers vanish, so the kernel test above cannot see a missing factor): (I + L)^-1 within 1e-4 of the float64
     inverse, relative to its largest entry (measured 3e-7 for both)."""
-    from qwen35_jax.kernels.gdn_prefill import SOLVES
-
     rng = np.random.default_rng(0)
     lowers = [np.tril(rng.uniform(-1, 1, (16, 16)), -1) for _ in range(4)]
-    inverses = SOLVES[solve]([jnp.asarray(x, jnp.float32) for x in lowers])
+    inverses = solve([jnp.asarray(x, jnp.float32) for x in lowers])
     for lower, inverse in zip(lowers, inverses, strict=True):
         exact = np.linalg.inv(np.eye(16) + lower)
         assert np.abs(np.asarray(inverse) - exact).max() <= 1e-4 * np.abs(exact).max()
 
 
-def test_rejects_unknown_solve():
-    inputs = make_inputs(3, 1, 64, 1, 1, 16, 16, jnp.float32)
-    with pytest.raises(ValueError, match="solve"):
-        gdn_chunked_prefill_pallas(*inputs, jnp.array([64], jnp.int32), interpret=True, solve="lu")
-
-
-@pytest.mark.parametrize("output_pass, num_calls, solve", [("fused", 2, "rows"), ("parallel", 3, "rows"),
-                                                           ("parallel", 3, "doubling")])  # fmt: skip
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("block_v", [None, 64])
-def test_lowers_to_triton_for_h200(dtype, block_v, output_pass, num_calls, solve):
+def test_lowers_to_triton_for_h200(dtype, block_v):
     """Without a GPU: every kernel lowers to Triton IR for an abstract H200 at 4B shapes (what interpret mode cannot
     check: every primitive has a Triton lowering, every loaded or stored tile is a power of two)."""
     rows, seq, dtype = 2, 80, jnp.dtype(dtype)
@@ -247,11 +227,12 @@ def test_lowers_to_triton_for_h200(dtype, block_v, output_pass, num_calls, solve
     dtypes = [dtype, dtype, dtype, jnp.float32, dtype]
     args = [jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(shapes, dtypes, strict=True)]
     args += [jax.ShapeDtypeStruct((rows, 32, 128, 128), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32)]
-    kernel = functools.partial(gdn_chunked_prefill_pallas, block_v=block_v, output_pass=output_pass, solve=solve)
+    tuning = dataclasses.replace(gdn_prefill_tuning(rows, 32, 128), block_v=block_v) if block_v else None
+    kernel = functools.partial(gdn_chunked_prefill_pallas, tuning=tuning)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's deprecation notice
         module = lower_for_h200(kernel, *args).as_text()
-    assert module.count("__gpu$xla.gpu.triton") == num_calls
+    assert module.count("__gpu$xla.gpu.triton") == 3
 
 
 @pytest.mark.parametrize("output_block_v, output_warps, slices", [(None, None, "2"), (128, 8, "1")])
@@ -264,8 +245,9 @@ def test_output_slices_lower_for_h200(output_block_v, output_warps, slices):
         jax.ShapeDtypeStruct(shape, dt) for shape, dt in zip(shapes, [dtype] * 3 + [jnp.float32, dtype], strict=True)
     ]
     args += [jax.ShapeDtypeStruct((rows, 32, 128, 128), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32)]
-    kernel = functools.partial(gdn_chunked_prefill_pallas, output_pass="parallel", output_block_v=output_block_v,
-                               output_warps=output_warps)  # fmt: skip
+    tiles = {"output_block_v": output_block_v, "output_warps": output_warps} if output_block_v else {}
+    tuning = dataclasses.replace(gdn_prefill_tuning(rows, 32, 128), **tiles)
+    kernel = functools.partial(gdn_chunked_prefill_pallas, tuning=tuning)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         text = lower_for_h200(kernel, *args).as_text()
@@ -276,13 +258,13 @@ def test_output_slices_lower_for_h200(output_block_v, output_warps, slices):
 @pytest.mark.parametrize("seq", [16, 64])
 def test_wrapper_holds_no_nested_jit(seq):
     """lax primitives only around the pallas_calls, the token padding of a short chunk (16) included: the model will
-    call the kernel inside stream-annotated regions (DESIGN section 6), where a nested jit fails at run time."""
+    call the kernel inside stream-annotated regions, where a nested jit fails at run time."""
     spec = jax.ShapeDtypeStruct
     shapes = [(2, seq, 2, 32), (2, seq, 2, 32), (2, seq, 4, 32), (2, seq, 4), (2, seq, 4)]
     dtypes = [jnp.bfloat16] * 3 + [jnp.float32, jnp.bfloat16]
     args = [spec(shape, dt) for shape, dt in zip(shapes, dtypes, strict=True)]
     args += [spec((2, 4, 32, 32), jnp.float32), spec((2,), jnp.int32)]
-    jaxpr = jax.make_jaxpr(lambda *a: gdn_chunked_prefill_pallas(*a, interpret=True, output_pass="parallel"))(*args)
+    jaxpr = jax.make_jaxpr(lambda *a: gdn_chunked_prefill_pallas(*a, interpret=True))(*args)
     names = [eqn.primitive.name for eqn in jaxpr.eqns]
     assert "pallas_call" in names and not {"jit", "pjit", "closed_call"} & set(names), names
 
@@ -293,23 +275,16 @@ def test_rejects_tile_unfriendly_head_sizes():
         gdn_chunked_prefill_pallas(*inputs, jnp.array([64], jnp.int32), interpret=True)
 
 
-def test_rejects_unknown_output_pass():
-    inputs = make_inputs(3, 1, 64, 1, 1, 16, 16, jnp.float32)
-    with pytest.raises(ValueError, match="output_pass"):
-        gdn_chunked_prefill_pallas(*inputs, jnp.array([64], jnp.int32), interpret=True, output_pass="sequential")
-
-
 # --- GPU, 4B shapes (nk 16, nv 32, dk = dv = 128) -----------------------------------------------------------------
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_gpu_matches_reference_at_4b_shapes(dtype, output_pass):
+def test_gpu_matches_reference_at_4b_shapes(dtype):
     seq = 1024
     inputs = make_inputs(4, 4, seq, 16, 32, 128, 128, jnp.dtype(dtype))
     lengths = jnp.array([seq, 700, 0, 1], jnp.int32)
-    out, state = pallas(*inputs, lengths, interpret=False, output_pass=output_pass)
+    out, state = pallas(*inputs, lengths, interpret=False)
     with jax.default_matmul_precision("highest"):  # the reference in true fp32, not TF32
         out_ref, state_ref = reference(*inputs, lengths)
     assert_matches(out, state, out_ref, state_ref, lengths, dtype)
@@ -317,12 +292,11 @@ def test_gpu_matches_reference_at_4b_shapes(dtype, output_pass):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("output_pass", OUTPUT_PASSES)
-def test_gpu_state_carries_across_calls_at_4b_shapes(output_pass):
+def test_gpu_state_carries_across_calls_at_4b_shapes():
     seq = 512
     q, k, v, g, beta, state = make_inputs(5, 2, 2 * seq, 16, 32, 128, 128, jnp.bfloat16)
     lengths = jnp.array([2 * seq, 2 * seq - 100], jnp.int32)
-    run = functools.partial(pallas, interpret=False, output_pass=output_pass)
+    run = functools.partial(pallas, interpret=False)
     out_full, state_full = run(q, k, v, g, beta, state, lengths)
     halves = [(x[:, :seq], x[:, seq:]) for x in (q, k, v, g, beta)]
     out_1, state_1 = run(*(h[0] for h in halves), state, jnp.full((2,), seq, jnp.int32))

@@ -1,11 +1,10 @@
-"""Micro-benchmark of the paged attention kernels on the GPU: the Pallas kernel against the jitted XLA
-reference, each next to its roofline (decode: bytes moved / 4.3 TB/s; prefill: FLOPs / 790 TFLOP/s bf16).
+"""Micro-benchmark of the attention kernels on the GPU: the Pallas decode kernel and the prefill attention (the chunk
+part on tokamax's kernel, then the Triton prefix pass: `kernels/chunk_attention.py`) against their jitted XLA
+references, each next to its roofline (decode: bytes moved / 4.3 TB/s; prefill: FLOPs / 790 TFLOP/s bf16).
 
     python tools/bench_attention.py                                   # both kernels, 4B heads, default cases
-    python tools/bench_attention.py --kernel decode --batch 1 8 64 --context 1024 4096
-    python tools/bench_attention.py --kernel prefill --chunk 512 --prefix 0 4096 --sweep
-    python tools/bench_attention.py --kernel prefill --chunk 8192 --prefix 0 --sweep --prefill-grid softmax
-    python tools/bench_attention.py --kernel prefill --chunk 8192 --prefix 0 --exp2 off --lazy-rescale on
+    python tools/bench_attention.py --kernel decode --batch 1 8 64 --context 1024 4096 --sweep
+    python tools/bench_attention.py --kernel prefill --chunk 512 --prefix 4096 --sweep
     python tools/bench_attention.py --interpret                       # CPU logic check, tiny shapes
     python tools/bench_attention.py --kernel prefill --chunk 8192 --prefix 0 --dense-baselines
 
@@ -15,39 +14,26 @@ share of it (% of roofline = roofline time / measured time); the reference's tim
 `chunk` tokens after `prefix` cached ones. Each timed call runs the op `repeats` times back to back inside
 one jitted program, each call's output feeding the next call's query, on a different layer of a pool of at
 least 256 MiB so that the 50 MB L2 holds no previous call's K/V; times include the launch gaps between those
-kernels. The page-table width is
-`--max-model-len` / page_size, as the engine sizes it: the reference gathers the whole width, the kernel
-only the pages a row uses. `--sweep` also times the tuning grid and prints the best configuration per case.
+kernels. The page-table width is `--max-model-len` / page_size, as the engine sizes it: the reference gathers
+the whole width, the kernel only the pages a row uses.
 
-Prefill kernel options (kernels/prefill_attention.py): `--exp2 on|off` (base-2 online softmax), `--lazy-rescale
-on|off` (rescale the accumulator only when a row's max grows past the threshold), `--hoist-index on|off` (static
-page index in unmasked key blocks); left out, the kernel's defaults. They apply to the plain row and to every
-sweep entry that does not set them itself. `--prefill-grid` picks the prefill sweep: `tiles` (tile rows x
-block_k x warps x stages, the heavy_first A/B), `softmax` (exp2 x lazy_rescale x stages at the default tiles,
-block_k 64 and 32, and hoist_index on the exp2 points at block_k 64) or `all` (both, the default; the `tiles`
-entries run the kernel's default softmax options). Each result row (JSON) holds `config` (the sweep entry, with
-the option flags merged in) and, added since session 6, `options` (every keyword argument the kernel ran with,
-its defaults filled in; None = the kernel's tuning table).
+`--sweep` also times the tuning grid, each entry passed to the kernel as its tuning value (`DecodeAttentionTuning`,
+the prefix pass's `PrefixTuning`; the fields an entry leaves out keep the measured defaults for the dtype), and
+prints the best per case. The prefix pass only runs for rows with a prefix, so sweep it with --prefix > 0. Each
+result row (JSON) holds `config` (the sweep entry) and `tuning` (every field the kernel ran with).
 
-`--dense-baselines` (prefill cases with prefix 0, the choose-by-measurement item of issue 5): also times two
-library kernels on the same causal problem with contiguous, unpaged q/k/v [rows, chunk, heads, dim]: JAX's
-Mosaic GPU flash attention for Hopper (`jax.experimental.pallas.ops.gpu.attention_mgpu`: TMA, wgmma, a
-producer warpgroup; GQA native) and JAX's Triton flash attention (`...ops.gpu.attention.mha`; K/V repeated to
-every query head, since it has no GQA). They cannot read pages or start after a prefix, so they bound what
-a kernel built on their schedule would reach, rather than being drop-in replacements. When tokamax is importable
-(session 8) its Mosaic GPU sm90 kernel (two consumer warpgroups and a TMA producer, FA3's schedule; GQA native;
-`TOKAMAX_SWEEP`) and its Triton kernel are timed the same way.
-
-Every prefill case also has a `split` row (session 8): the engine's prefill attention, the chunk part on
-tokamax's kernel and the paged prefix in a Triton pass (`kernels/chunk_attention.py`); the plain row is the
-one-kernel Triton version.
+`--dense-baselines` (prefill cases with prefix 0): also times library kernels on the same causal problem with
+contiguous, unpaged q/k/v [rows, chunk, heads, dim]: JAX's Mosaic GPU flash attention for Hopper
+(`jax.experimental.pallas.ops.gpu.attention_mgpu`: TMA, wgmma, a producer warpgroup; GQA native), JAX's Triton
+flash attention (`...ops.gpu.attention.mha`; K/V repeated to every query head, since it has no GQA) and, when
+tokamax is importable, its Mosaic GPU sm90 kernel at each `TOKAMAX_SWEEP` config (the chunk part's kernel) and its
+Triton kernel.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import inspect
+import dataclasses
 import itertools
 import sys
 
@@ -62,19 +48,6 @@ MIN_POOL_BYTES = 256 * 2**20
 DECODE_SWEEP = [dict(block_k=bk, num_warps=w, num_stages=s) for bk, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3))]  # fmt: skip
 PREFILL_SWEEP = [dict(tile_rows=r, block_k=bk, num_warps=w, num_stages=s)
                  for r, bk, w, s in itertools.product((64, 128), (32, 64), (4, 8), (2, 3))]  # fmt: skip
-# The grid above walks the causal query blocks last-first (heavy_first, the default since session 4); the best of
-# it and its neighbours in order, for the A/B.
-PREFILL_SWEEP += [dict(tile_rows=128, block_k=bk, num_warps=8, num_stages=s, heavy_first=False)
-                  for bk, s in ((64, 2), (64, 3), (32, 2))]  # fmt: skip
-# The prefill kernel's softmax options at the default tiles (128 rows, 8 warps, heavy first): exp2 x lazy_rescale x
-# 2/3 stages at block_k 64 and 32, then hoist_index on the exp2 points at block_k 64.
-PREFILL_SOFTMAX_SWEEP = [dict(tile_rows=128, block_k=bk, num_warps=8, num_stages=s, exp2=e, lazy_rescale=z)
-                         for bk, s, e, z in itertools.product((64, 32), (2, 3), *[(False, True)] * 2)]  # fmt: skip
-PREFILL_SOFTMAX_SWEEP += [dict(tile_rows=128, block_k=64, num_warps=8, num_stages=s, exp2=True, lazy_rescale=z,
-                               hoist_index=True) for s, z in itertools.product((2, 3), (False, True))]  # fmt: skip
-PREFILL_GRIDS = dict(tiles=PREFILL_SWEEP, softmax=PREFILL_SOFTMAX_SWEEP, all=PREFILL_SWEEP + PREFILL_SOFTMAX_SWEEP)
-# The prefill kernel's boolean options that have a flag (--exp2 on|off, --lazy-rescale, --hoist-index).
-PREFILL_FLAGS = ("exp2", "lazy_rescale", "hoist_index")
 
 
 def make_inputs(rng, lengths, heads, kv_heads, dim, page_size, width, dtype, queries, min_pool_bytes):
@@ -138,29 +111,17 @@ def roofline_seconds(bytes_moved: float, flops: float) -> float:
     return max(bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S)
 
 
-def prefill_options(config: dict, group: int) -> dict:
-    """A sweep entry in tile rows -> the kernel's block_q for this GQA group."""
-    config = dict(config)
-    rows = config.pop("tile_rows", None)
-    if rows is not None:
-        config["block_q"] = max(1, rows // (1 << (group - 1).bit_length()))
-    return config
-
-
-def kernel_options(kernel, options: dict) -> dict:
-    """Every keyword argument of `kernel` (interpret aside) as it runs with `options`: its defaults filled in."""
-    params = inspect.signature(kernel).parameters.values()
-    defaults = {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY and p.name != "interpret"}
-    return {**defaults, **options}
-
-
 def bench_case(kind: str, case: dict, shape: dict, args, configs: list[dict]) -> list[dict]:
-    """Time the reference and every kernel configuration of one case; one result row per configuration (prefill
-    entries on top of the option flags, `prefill_flag_options`)."""
+    """Time the reference and the kernel at every tuning of `configs` (each entry's fields replaced into the
+    measured defaults for the dtype) for one case; one result row per configuration."""
     import jax.numpy as jnp
 
-    from qwen35_jax.kernels.decode_attention import paged_decode_attention_pallas, paged_decode_attention_ref
-    from qwen35_jax.kernels.prefill_attention import paged_prefill_attention_pallas, paged_prefill_attention_ref
+    from qwen35_jax.kernels.chunk_attention import prefill_attention_pallas, prefill_attention_ref, prefix_tuning
+    from qwen35_jax.kernels.decode_attention import (
+        decode_attention_tuning,
+        paged_decode_attention_pallas,
+        paged_decode_attention_ref,
+    )
 
     rng = np.random.default_rng(0)
     dtype, itemsize = jnp.dtype(args.dtype), jnp.dtype(args.dtype).itemsize
@@ -172,62 +133,48 @@ def bench_case(kind: str, case: dict, shape: dict, args, configs: list[dict]) ->
         q, k, v, table, layers = make_inputs(rng, lengths, heads, kv_heads, dim, page_size, width, dtype, None, pool)
         rest = (table, jnp.asarray(lengths, jnp.int32))
         work = decode_work(lengths, heads, kv_heads, dim, page_size, itemsize)
-        ref, kernel = paged_decode_attention_ref, paged_decode_attention_pallas
+        ref, kernel, default = paged_decode_attention_ref, paged_decode_attention_pallas, decode_attention_tuning(dtype)
     else:
         starts, lengths = [case["prefix"]] * case["rows"], [case["chunk"]] * case["rows"]
         ends = [s + n for s, n in zip(starts, lengths, strict=True)]
         q, k, v, table, layers = make_inputs(
             rng, ends, heads, kv_heads, dim, page_size, width, dtype, case["chunk"], pool
         )
-        rest = (table, jnp.asarray(starts, jnp.int32), jnp.asarray(lengths, jnp.int32))
+        # The chunk's own k, v (random: the timing does not depend on them), after the page operands.
+        chunk_kv = [jnp.asarray(rng.standard_normal((*q.shape[:2], kv_heads, dim), np.float32), dtype)
+                    for _ in range(2)]  # fmt: skip
+        rest = (table, jnp.asarray(starts, jnp.int32), jnp.asarray(lengths, jnp.int32), *chunk_kv)
         work = prefill_work(starts, lengths, case["chunk"], heads, kv_heads, dim, itemsize)
-        ref, kernel = paged_prefill_attention_ref, paged_prefill_attention_pallas
+        ref, kernel, default = (
+            chunk_first(prefill_attention_ref),
+            chunk_first(prefill_attention_pallas),
+            prefix_tuning(dtype),
+        )
     timing = dict(layers=layers, repeats=args.repeats, trials=args.trials)
     operands = (q, k, v, *rest)
     ref_s = seconds_per_call(ref, operands, **timing)
     rows = []
     for config in configs:
-        if kind == "prefill":
-            config = {**prefill_flag_options(args), **config}
-            options = prefill_options(config, heads // kv_heads)
-        else:
-            options = dict(config)
-        op = functools.partial(kernel, interpret=args.interpret, **options)
+        tuning = dataclasses.replace(default, **config)
+        op = lambda *a, tuning=tuning: kernel(*a, interpret=args.interpret, tuning=tuning)  # noqa: E731
         try:
             kernel_s = seconds_per_call(op, operands, **timing)
         except Exception as error:  # a configuration that does not compile (shared memory, registers)
             rows.append(dict(kind=kind, **case, config=config, error=f"{type(error).__name__}: {error}"[:200],
-                             options=kernel_options(kernel, options)))  # fmt: skip
+                             tuning=dataclasses.asdict(tuning)))  # fmt: skip
             continue
-        rows.append(timed_row(kind, case, config, kernel_s, work, ref_s, options=kernel_options(kernel, options)))
-    if kind == "prefill":
-        rows.append(split_row(case, args, operands, timing, work, ref_s))
+        rows.append(timed_row(kind, case, config, kernel_s, work, ref_s, tuning=dataclasses.asdict(tuning)))
     return rows
 
 
-def split_row(case: dict, args, operands, timing: dict, work, ref_s: float) -> dict:
-    """The engine's prefill attention since session 8 (`kernels/chunk_attention.py`): the chunk part on tokamax's
-    Mosaic GPU kernel over the chunk's own k, v (random here: the timing does not depend on them), then the prefix
-    pass over the pages, timed as the one-kernel rows."""
-    import jax.numpy as jnp
+def chunk_first(prefill):
+    """A prefill attention (q, k, v, k_pages, v_pages, layer, table, start, lengths) called with the page operands
+    first, as `seconds_per_call` passes them (q, k_pages, v_pages, layer, table, start, lengths, k, v)."""
 
-    from qwen35_jax.kernels.chunk_attention import prefill_attention_pallas
+    def op(q, k_pages, v_pages, layer, table, start, lengths, k, v, **options):
+        return prefill(q, k, v, k_pages, v_pages, layer, table, start, lengths, **options)
 
-    q, k_pages = operands[0], operands[1]
-    rng = np.random.default_rng(1)
-    chunk_kv = [jnp.asarray(rng.standard_normal((*q.shape[:2], *k_pages.shape[3:]), np.float32), q.dtype)
-                for _ in range(2)]  # fmt: skip
-
-    def op(q, k_pages, v_pages, layer, table, start, lengths, k, v):
-        return prefill_attention_pallas(q, k, v, k_pages, v_pages, layer, table, start, lengths,
-                                        interpret=args.interpret)  # fmt: skip
-
-    config = dict(impl="split")
-    try:
-        seconds = seconds_per_call(op, (*operands, *chunk_kv), **timing)
-    except Exception as error:
-        return dict(kind="prefill", **case, config=config, error=f"{type(error).__name__}: {error}"[:300])
-    return timed_row("prefill", case, config, seconds, work, ref_s)
+    return op
 
 
 def timed_row(kind: str, case: dict, config: dict, seconds: float, work, ref_s: float | None = None, **extra) -> dict:
@@ -242,21 +189,24 @@ def timed_row(kind: str, case: dict, config: dict, seconds: float, work, ref_s: 
 
 
 MGPU_SWEEP = [dict(block_q=64, block_kv=bk, max_concurrent_steps=s) for bk, s in ((64, 2), (64, 3), (128, 2))]
-# tokamax's Mosaic GPU (sm90) flash attention: block_q rows per compute warpgroup (two of them), block_kv keys a TMA
-# stage; at head_dim 256 the q tile and two stages of K and V fill ~192 KiB of shared memory at block_kv 64.
+# tokamax's Mosaic GPU (sm90) flash attention (`TokamaxConfig`): block_q rows per compute warpgroup (two of them),
+# block_kv keys a TMA stage; at head_dim 256 the q tile and two stages of K and V fill ~192 KiB of shared memory at
+# block_kv 64.
 TOKAMAX_SWEEP = [dict(block_q=bq, block_kv=bk, num_stages=s) for bq, bk, s in ((64, 64, 2), (64, 64, 3), (64, 128, 2))]
 
 
 def tokamax_candidates(dim: int) -> list[tuple]:
     """(name, config, op) for tokamax's Mosaic GPU and Triton flash attention, or none when tokamax is absent."""
+    from qwen35_jax.kernels.chunk_attention import TokamaxConfig, tokamax_attention
+
     try:
-        from tokamax._src.ops.attention import pallas_mosaic_gpu, pallas_triton
+        from tokamax._src.ops.attention import pallas_triton
     except ImportError as error:
         print(f"tokamax not importable ({error}); its baselines are skipped")
         return []
 
     def mosaic(config):
-        attention = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention(config=pallas_mosaic_gpu.ConfigSM90(**config))
+        attention = tokamax_attention(TokamaxConfig(**config))
         return lambda q, k, v: attention(q, k, v, is_causal=True)
 
     triton = pallas_triton.PallasTritonFlashAttention()
@@ -305,11 +255,6 @@ def dense_baseline_rows(case: dict, shape: dict, args) -> list[dict]:
     return out
 
 
-def prefill_flag_options(args) -> dict:
-    """The prefill kernel options given on the command line (--exp2 on|off ...): {keyword: bool}."""
-    return {name: getattr(args, name) == "on" for name in PREFILL_FLAGS if getattr(args, name) is not None}
-
-
 def format_row(row: dict) -> str:
     case = {k: v for k, v in row.items() if k in ("batch", "context", "rows", "chunk", "prefix")}
     label = " ".join(f"{k}={v}" for k, v in case.items())
@@ -342,12 +287,6 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=20, help="calls per timed program")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="also time the tuning grid")
-    parser.add_argument("--prefill-grid", choices=sorted(PREFILL_GRIDS), default="all",
-                        help="which prefill grid --sweep times (module docstring)")  # fmt: skip
-    for flag, what in (("exp2", "base-2 online softmax"), ("lazy_rescale", "lazy accumulator rescaling"),
-                       ("hoist_index", "static page index in unmasked key blocks")):  # fmt: skip
-        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, choices=("on", "off"), default=None,
-                            help=f"prefill kernel: {what} (default: the kernel's)")  # fmt: skip
     parser.add_argument("--dense-baselines", action="store_true", help="also time JAX's dense flash kernels (above)")
     parser.add_argument("--interpret", action="store_true", help="CPU logic check at tiny shapes (times mean nothing)")
     parser.add_argument("--json", default=None, help="write every result row here")
@@ -379,9 +318,7 @@ def main(argv=None) -> int:
         cases += [("prefill", dict(rows=r, chunk=t, prefix=s)) for r in args.rows for t in args.chunk for s in args.prefix]  # fmt: skip
     results = []
     for kind, case in cases:
-        configs = [{}] + (
-            (DECODE_SWEEP if kind == "decode" else PREFILL_GRIDS[args.prefill_grid]) if args.sweep else []
-        )
+        configs = [{}] + ((DECODE_SWEEP if kind == "decode" else PREFILL_SWEEP) if args.sweep else [])
         rows = bench_case(kind, case, shape, args, configs)
         results += rows
         for row in rows:

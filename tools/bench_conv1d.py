@@ -1,11 +1,13 @@
 """Micro-benchmark of the causal conv1d + SiLU kernels on one GPU at Qwen3.5-4B shapes (C = 8192, K = 4, bf16):
-the Pallas one-token update and ragged prefill against their jitted XLA references.
+the Pallas one-token update (in the slot pool) and ragged prefill against their jitted XLA references.
 
     JAX_PLATFORMS=cuda python tools/bench_conv1d.py --batch 1 8 64 256 --prefill 1x2048 4x512 16x128
     JAX_PLATFORMS=cuda python tools/bench_conv1d.py --sweep    # every block size / warp count in the sweeps
 
-Time is device time a call: `iters` calls chained in one jitted loop (the conv state carried, as in serving),
-the best of `--repeats` runs, so host dispatch is not counted. Both kernels are memory bound (2K FLOPs per
+Each configuration is passed to the kernel as its tuning value (`ConvUpdateTuning`, `ConvPrefillTuning`). Time is
+device time a call: `iters` calls chained in one jitted loop (the conv state carried, as in serving), the best of
+`--repeats` runs, so host dispatch is not counted. The update runs on a one-layer pool whose slots are the batch's
+rows in order (`causal_conv1d_update_pool_pallas`), against the XLA reference on the gathered states. Both kernels are memory bound (2K FLOPs per
 element); the roofline is bytes moved / 4.3 TB/s: x read and y written once, the conv state read and
 written once, the weight read once. Prefill rows are ragged (lengths T, 3T/4, T/2, T/4, repeating), but y is
 computed for every token, as the reference does, so the bytes count all of them.
@@ -68,6 +70,8 @@ def inputs(lead: tuple[int, ...], key: int = 0):
 
 
 def bench_update(batch: int, sweep: bool, iters: int, repeats: int) -> None:
+    import jax.numpy as jnp
+
     from qwen35_jax.kernels import conv1d
 
     args = inputs((batch,))
@@ -77,10 +81,14 @@ def bench_update(batch: int, sweep: bool, iters: int, repeats: int) -> None:
     CASE.update(mode="update", batch=batch)
     print(f"update, batch {batch}")
     report("XLA reference", ref_seconds, bytes_moved, flops, ref_seconds)
-    for block_c, warps in UPDATE_SWEEP if sweep else [(conv1d.BLOCK_C_UPDATE, conv1d.NUM_WARPS)]:
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    default = conv1d.CONV_UPDATE_TUNING
+    for block_c, warps in UPDATE_SWEEP if sweep else [(default.block_c, default.num_warps)]:
+        tuning = conv1d.ConvUpdateTuning(block_c=block_c, num_warps=warps)
 
-        def step(*xs, block_c=block_c, warps=warps):
-            return conv1d.conv1d_update_blocked(*xs, block_c=block_c, num_warps=warps)
+        def step(x, weight, state, tuning=tuning):
+            y, pool = conv1d.causal_conv1d_update_pool_pallas(x, weight, state[None], 0, slots, tuning=tuning)
+            return y, pool[0]
 
         seconds = device_time(step, args, iters, repeats)
         report(f"pallas c/{block_c} warps {warps}", seconds, bytes_moved, flops, ref_seconds)
@@ -100,11 +108,12 @@ def bench_prefill(rows: int, seq: int, sweep: bool, iters: int, repeats: int) ->
     CASE.update(mode="prefill", rows=rows, tokens=seq)
     print(f"prefill, {rows} rows x {seq} tokens")
     report("XLA reference", ref_seconds, bytes_moved, flops, ref_seconds)
-    default = [(conv1d.BLOCK_T, conv1d.BLOCK_C_PREFILL, conv1d.NUM_WARPS)]
-    for block_t, block_c, warps in PREFILL_SWEEP if sweep else default:
+    default = conv1d.CONV_PREFILL_TUNING
+    for block_t, block_c, warps in PREFILL_SWEEP if sweep else [(default.block_t, default.block_c, default.num_warps)]:
+        tuning = conv1d.ConvPrefillTuning(block_t=block_t, block_c=block_c, num_warps=warps)
 
-        def step(*xs, block_t=block_t, block_c=block_c, warps=warps):
-            return conv1d.conv1d_prefill_blocked(*xs, block_t=block_t, block_c=block_c, num_warps=warps)
+        def step(*xs, tuning=tuning):
+            return conv1d.causal_conv1d_prefill_pallas(*xs, tuning=tuning)
 
         seconds = device_time(step, args, iters, repeats)
         report(f"pallas t/{block_t} c/{block_c} warps {warps}", seconds, bytes_moved, flops, ref_seconds)

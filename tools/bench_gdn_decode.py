@@ -1,11 +1,13 @@
 """Micro-benchmark of the GDN one-token decode on one GPU at Qwen3.5-4B shapes (nk 16, nv 32, dk = dv = 128):
-the Pallas kernel against the jitted XLA reference and, when torch and flash-linear-attention are importable,
-fla's Triton `fused_recurrent_gated_delta_rule` (l2norm in the kernel, as here).
+the Pallas in-pool kernel against the jitted XLA reference and, when torch and flash-linear-attention are
+importable, fla's Triton `fused_recurrent_gated_delta_rule` (l2norm in the kernel, as here).
 
     JAX_PLATFORMS=cuda python tools/bench_gdn_decode.py --batch 1 8 64 256
     JAX_PLATFORMS=cuda python tools/bench_gdn_decode.py --batch 256 --sweep    # every (block_dv, num_warps)
     JAX_PLATFORMS=cuda python tools/bench_gdn_decode.py --pool --batch 1 8 64 256   # in the slot pool, below
 
+Each (block_dv, num_warps) is passed to the kernel as a `GdnDecodeTuning`. Without --pool the states are a
+[batch, nv, dk, dv] array, run through the kernel as a one-layer pool whose slots are the rows in order.
 Time is device time a call: `iters` calls chained in one jitted loop (the state carried, as in serving), the
 best of `--repeats` runs, so host dispatch is not counted (fla: `iters` calls replayed from one CUDA graph).
 The kernel is memory bound; the roofline is bytes moved / 4.3 TB/s (the fp32 state read and written once
@@ -14,8 +16,8 @@ reference's loop, which flatters the reference slightly.
 
 --pool: the states live in a slot pool [layers, batch + 1, nv, dk, dv] fp32 (24 layers as at 4B; the last slot
 is the engine's trash slot, unused here) and the batch's rows are its other slots in shuffled order. It times
-(a) "gather+kernel+scatter": gather the rows of one layer, `gdn_decode_blocked`, scatter them back (what the
-model does today, per layer), against (b) "in-pool pallas": `gdn_decode_pool_pallas` updating the rows in the
+(a) "XLA gather+ref+scatter": `gdn_decode_pool_ref`, which gathers the rows of one layer, runs the reference step
+and scatters them back, against (b) "in-pool pallas": `gdn_decode_pool_pallas` updating the rows in the
 pool. Both are chained through the donated pool in one jitted loop whose iteration i updates layer i % layers,
 as the model walks its layers (one layer's rows alone would stay in L2 at small batches; at batch 1 the 24
 layers' rows, 48 MB, may still fit in the H200's L2). Same bytes and roofline as above (the rows' states read
@@ -151,7 +153,8 @@ def main() -> None:
     if jax.devices()[0].platform != "gpu":
         sys.exit(f"bench_gdn_decode needs a GPU; JAX runs on {jax.devices()[0].platform} (set JAX_PLATFORMS=cuda)")
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, bf16 q/k/v, fp32 state")
-    configs = SWEEP if args.sweep else [(gdn_decode.BLOCK_DV, gdn_decode.NUM_WARPS)]
+    default = gdn_decode.GDN_DECODE_TUNING
+    configs = [gdn_decode.GdnDecodeTuning(*c) for c in SWEEP] if args.sweep else [default]
     for batch in args.batch:
         if args.pool:
             bench_pool(batch, args.layers, configs, args.sweep, args.iters, args.repeats)
@@ -160,31 +163,31 @@ def main() -> None:
         bytes_moved, flops = traffic(inputs[0], inputs[2], inputs[5])
         ref_seconds = device_time(gdn_decode.gdn_decode_ref, inputs, args.iters, args.repeats)
         fla_seconds = fla_time(inputs, args.iters, args.repeats)
-        _, state = jax.jit(gdn_decode.gdn_decode_pallas)(*inputs)
+        _, state = jax.jit(rows_step)(*inputs)
         _, ref_state = jax.jit(gdn_decode.gdn_decode_ref)(*inputs)
         error = float(np.max(np.abs(np.asarray(state) - np.asarray(ref_state))))
         print(f"batch {batch}: max |state - ref| {error:.2e}")
         report("XLA reference", ref_seconds, bytes_moved, flops, ref_seconds, fla_seconds, batch)
         if fla_seconds is not None:
             report("fla fused_recurrent", fla_seconds, bytes_moved, flops, ref_seconds, fla_seconds, batch)
-        for block_dv, warps in configs:
-
-            def step(*xs, block_dv=block_dv, warps=warps):
-                return gdn_decode.gdn_decode_blocked(*xs, block_dv=block_dv, num_warps=warps)
-
-            seconds = device_time(step, inputs, args.iters, args.repeats)
-            report(f"pallas dv/{block_dv} warps {warps}", seconds, bytes_moved, flops, ref_seconds, fla_seconds, batch)
+        for tuning in configs:
+            seconds = device_time(functools.partial(rows_step, tuning=tuning), inputs, args.iters, args.repeats)
+            report(f"pallas dv/{tuning.block_dv} warps {tuning.num_warps}", seconds, bytes_moved, flops, ref_seconds,
+                   fla_seconds, batch)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)
 
 
-def gather_kernel_scatter(q, k, v, g, beta, pool, layer, slots, *, block_dv: int, num_warps: int):
-    """What the model does today around the kernel: the rows out of the pool, the kernel, the rows back."""
-    from qwen35_jax.kernels.gdn_decode import gdn_decode_blocked
+def rows_step(q, k, v, g, beta, state, *, tuning=None):
+    """The in-pool kernel on states [B, nv, dk, dv] as the one-layer pool state[None], row b in slot b."""
+    import jax.numpy as jnp
 
-    o, rows = gdn_decode_blocked(q, k, v, g, beta, pool[layer, slots], block_dv=block_dv, num_warps=num_warps)
-    return o, pool.at[layer, slots].set(rows)
+    from qwen35_jax.kernels.gdn_decode import GDN_DECODE_TUNING, gdn_decode_pool_pallas
+
+    slots = jnp.arange(state.shape[0], dtype=jnp.int32)
+    out, pool = gdn_decode_pool_pallas(q, k, v, g, beta, state[None], 0, slots, tuning=tuning or GDN_DECODE_TUNING)
+    return out, pool[0]
 
 
 def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeats: int) -> None:
@@ -192,7 +195,7 @@ def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeat
     import jax
     import jax.numpy as jnp
 
-    from qwen35_jax.kernels.gdn_decode import gdn_decode_pool_pallas
+    from qwen35_jax.kernels.gdn_decode import gdn_decode_pool_pallas, gdn_decode_pool_ref
 
     inputs = make_inputs(batch)
     bytes_moved, flops = traffic(inputs[0], inputs[2], inputs[5])  # the rows' states read + written once
@@ -201,13 +204,14 @@ def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeat
     pool = jax.jit(lambda key: 0.5 * jax.random.normal(key, (layers, batch + 1, nv, dk, dv), jnp.float32))(kp)
     slots = jax.random.permutation(ks, batch).astype(jnp.int32)  # slot `batch`, the trash slot, stays unused
     print(f"batch {batch}, pool of {layers} layers x {batch + 1} slots ({pool.nbytes / 1e9:.1f} GB):")
-    for block_dv, warps in configs:
-        tiling = dict(block_dv=block_dv, num_warps=warps)
-        gather = functools.partial(gather_kernel_scatter, **tiling)
-        in_pool = functools.partial(gdn_decode_pool_pallas, **tiling)
+    gather = gdn_decode_pool_ref
+    gather_seconds, pool = pool_device_time(gather, inputs, pool, slots, iters, repeats)
+    for tuning in configs:
+        in_pool = functools.partial(gdn_decode_pool_pallas, tuning=tuning)
+        block_dv, warps = tuning.block_dv, tuning.num_warps
 
         @jax.jit
-        def one_step_apart(pool, gather=gather, in_pool=in_pool):
+        def one_step_apart(pool, in_pool=in_pool):
             """Max |difference| of the new rows and of o after one step both ways from the same pool, at layer 1
             (not donated: XLA copies the pool for each result, 3 pools at most in memory)."""
             o_a, pool_a = gather(*inputs[:5], pool, 1, slots)
@@ -217,12 +221,13 @@ def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeat
 
         rows_error, out_error = (float(x) for x in one_step_apart(pool))
         print(f"  dv/{block_dv} warps {warps}: max |new rows a - b| {rows_error:.2e}, max |o a - b| {out_error:.2e}")
-        gather_seconds, pool = pool_device_time(gather, inputs, pool, slots, iters, repeats)
         pool_seconds, pool = pool_device_time(in_pool, inputs, pool, slots, iters, repeats)
-        for name, seconds in (("gather+kernel+scatter", gather_seconds), ("in-pool pallas", pool_seconds)):
-            label = f"{name} dv/{block_dv} w{warps}" if sweep else name
-            report(name, seconds, bytes_moved, flops, gather_seconds, None, batch, baseline="gather+kernel+scatter",
-                   label=label, mode="pool", layers=layers, **tiling)  # fmt: skip
+        label = f"in-pool pallas dv/{block_dv} w{warps}" if sweep else "in-pool pallas"
+        report("in-pool pallas", pool_seconds, bytes_moved, flops, gather_seconds, None, batch,
+               baseline="XLA gather+ref+scatter", label=label, mode="pool", layers=layers, block_dv=block_dv,
+               num_warps=warps)  # fmt: skip
+    report("XLA gather+ref+scatter", gather_seconds, bytes_moved, flops, gather_seconds, None, batch,
+           baseline="XLA gather+ref+scatter", mode="pool", layers=layers)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,21 +1,22 @@
 """Micro-benchmark of the GDN chunked prefill (GPU only): the Pallas kernel against the jitted XLA reference and, when
 flash-linear-attention is importable, its Triton `chunk_gated_delta_rule`, at 4B shapes (nk 16, nv 32, dk = dv = 128).
 
-    JAX_PLATFORMS=cuda python tools/bench_gdn_prefill.py --tokens 1024 2048 4096 8192 --rows 1 4 --block-v 32 64 \
-        --output-pass fused parallel
+    JAX_PLATFORMS=cuda python tools/bench_gdn_prefill.py --tokens 1024 2048 4096 8192 --rows 1 4 --block-v 32 64
 
-Per case and kernel configuration (output pass x block_v x num_warps) it prints the time of one call (mean over --iters
+Per case and kernel tiling (every combination of the tile flags, each passed to the kernel as a `GdnPrefillTuning`;
+a flag left at 0 keeps the measured default, `gdn_prefill_tuning`) it prints the time of one call (mean over --iters
 back-to-back calls, best of --repeats), the matmul FLOPs of the chunked algorithm and their rate against 790 TFLOP/s
 (bf16 dense), the minimal HBM traffic (inputs, outputs and states once) against 4.3 TB/s, the share of the roofline
 max(FLOPs / 790T, bytes / 4.3T) reached, and the ratio of the reference's and fla's times to the kernel's (> 1: the
-kernel is faster); for output_pass "parallel" also the size of the per-chunk fp32 states it stores (not counted in the
-minimal traffic). fla is timed replaying a CUDA graph of --iters calls (its host-loop time is kept as
+kernel is faster); also the size of the per-chunk fp32 states the kernel stores between its passes (not counted in
+the minimal traffic). fla is timed replaying a CUDA graph of --iters calls (its host-loop time is kept as
 `fla_host_loop_ms`), so its Python launch overhead is not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 
@@ -26,6 +27,14 @@ from qwen35_jax.roofline import HBM_BYTES_PER_S as PEAK_BYTES
 from qwen35_jax.serving.offline_bench import save_json
 
 CHUNK = 64
+TILE_FLAGS = {  # GdnPrefillTuning's fields, each a flag taking several values
+    "block_v": "dv slice of the chunk-state walk",
+    "num_warps": "warps of the chunk-state walk",
+    "num_stages": "pipelining stages of the chunk-state walk",
+    "prep_warps": "warps of the WY kernel",
+    "output_block_v": "dv slice of the output kernel",
+    "output_warps": "warps of the output kernel",
+}
 
 
 def chunked_flops(rows: int, tokens: int, nv: int, dk: int, dv: int) -> float:
@@ -42,10 +51,9 @@ def minimal_bytes(rows: int, tokens: int, nk: int, nv: int, dk: int, dv: int, it
     return rows * tokens * per_token + 2 * rows * nv * dk * dv * 4
 
 
-def chunk_states_bytes(rows: int, tokens: int, nv: int, dk: int, dv: int, itemsize: int) -> float:
-    """The start state of every chunk that output_pass="parallel" stores between its two last passes (in the
-    matmul operand dtype: the inputs' itemsize)."""
-    return rows * nv * -(-tokens // CHUNK) * dk * dv * itemsize
+def chunk_states_bytes(rows: int, tokens: int, nv: int, dk: int, dv: int) -> float:
+    """The fp32 start state of every chunk, which the kernel stores between its two last passes."""
+    return rows * nv * -(-tokens // CHUNK) * dk * dv * 4
 
 
 def time_calls(fn, args, iters: int, repeats: int, sync) -> float:
@@ -139,7 +147,7 @@ def bench_case(args, rows: int, tokens: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
+    from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref, gdn_prefill_tuning
 
     dtype = jnp.dtype(args.dtype)
     inputs = make_inputs(rows, tokens, args.nk, args.nv, args.dk, args.dv, dtype)
@@ -150,30 +158,20 @@ def bench_case(args, rows: int, tokens: int) -> dict:
     result = {"rows": rows, "tokens": tokens, "dtype": args.dtype, "gflop": flops / 1e9, "mbytes": nbytes / 1e6}
     result["ref_ms"] = 1e3 * timing(jax.jit(gdn_chunked_prefill_ref), inputs)
     out_ref, _ = jax.jit(gdn_chunked_prefill_ref)(*inputs)
-    configs = itertools.product(args.output_pass, args.block_v, args.num_warps, args.num_stages, args.prep_warps,
-                                args.output_warps, args.output_block_v, args.dots, args.solve)  # fmt: skip
-    for output_pass, block_v, num_warps, num_stages, prep_warps, output_warps, output_block_v, dots, solve in configs:
-        tiling = {"block_v": block_v, "num_warps": num_warps or None, "num_stages": num_stages or None,
-                  "output_pass": output_pass, "prep_warps": prep_warps or None, "output_warps": output_warps or None,
-                  "output_block_v": output_block_v or None, "dots": dots, "solve": solve}  # fmt: skip
-        kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, **tiling))
+    default = gdn_prefill_tuning(rows, args.nv, args.dv)
+    states = chunk_states_bytes(rows, tokens, args.nv, args.dk, args.dv)
+    for values in itertools.product(*(getattr(args, name) for name in TILE_FLAGS)):
+        given = {name: value for name, value in zip(TILE_FLAGS, values, strict=True) if value}
+        tuning = dataclasses.replace(default, **given)
+        kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, tuning=tuning))
         seconds = timing(kernel, inputs)
         out, _ = kernel(*inputs)
         error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - out_ref.astype(jnp.float32))))
-        # "parallel" writes each chunk's start state and reads it back: HBM traffic beyond the minimal bytes
-        states = (
-            chunk_states_bytes(rows, tokens, args.nv, args.dk, args.dv, 4 if dots == "tf32" else dtype.itemsize)
-            if output_pass == "parallel"
-            else 0
-        )
         stages = kernel_stages(kernel, inputs, args.iters, args.profile) if args.profile else None
-        name = f"output_pass={output_pass} block_v={block_v} num_warps={num_warps or 'default'}"
-        extra = {"num_stages": num_stages, "prep_warps": prep_warps, "output_warps": output_warps,
-                 "output_block_v": output_block_v,
-                 "dots": dots if dots != "bf16" else 0, "solve": solve if solve != "rows" else 0}  # fmt: skip
-        result[name + "".join(f" {k}={v}" for k, v in extra.items() if v)] = {
+        name = "pallas " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(tuning).items())
+        result[name] = {
             "kernel_ms_per_call": stages,
-            "output_pass": output_pass,
+            "tuning": dataclasses.asdict(tuning),
             "ms": 1e3 * seconds,
             "tflops": flops / seconds / 1e12,
             "pct_peak_flops": 100 * flops / seconds / PEAK_FLOPS,
@@ -206,13 +204,13 @@ def report(result: dict) -> str:
         + (f"; fla {result['fla_ms']:.3f} ms" if "fla_ms" in result else "; fla not importable")
     ]
     for key, r in result.items():
-        if key.startswith("output_pass"):
+        if key.startswith("pallas "):
             vs_fla = f", fla/kernel {result['fla_ms'] / r['ms']:.2f}x" if "fla_ms" in result else ""
             lines.append(
-                f"  pallas {key}: {r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s ({r['pct_peak_flops']:.1f}% of "
+                f"  {key}: {r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s ({r['pct_peak_flops']:.1f}% of "
                 f"790), {r['pct_peak_bytes']:.1f}% of 4.3 TB/s, {r['pct_roofline']:.1f}% of roofline, "
                 f"ref/kernel {r['ref_over_kernel']:.2f}x{vs_fla}, max |err| {r['max_abs_err_vs_ref']:.2e}"
-                + (f", chunk states {r['chunk_states_mbytes']:.0f} MB" if r["chunk_states_mbytes"] else "")
+                + f", chunk states {r['chunk_states_mbytes']:.0f} MB"
             )
             lines += [f"    {ms:.4f} ms  {name}" for name, ms in (r["kernel_ms_per_call"] or {}).items()]
     if "fla_kernel_ms_per_call" in result:
@@ -229,21 +227,8 @@ def main() -> None:
     parser.add_argument("--nv", type=int, default=32)
     parser.add_argument("--dk", type=int, default=128)
     parser.add_argument("--dv", type=int, default=128)
-    parser.add_argument("--block-v", type=int, nargs="+", default=[32, 64], help="dv slice of the sequential pass")
-    parser.add_argument("--num-warps", type=int, nargs="+", default=[0], help="of the sequential pass; 0: default")
-    parser.add_argument("--num-stages", type=int, nargs="+", default=[0], help="of the sequential pass; 0: default")
-    parser.add_argument("--prep-warps", type=int, nargs="+", default=[0], help="of the WY kernel; 0: default")
-    parser.add_argument("--output-warps", type=int, nargs="+", default=[0], help="of the output kernel; 0: default")
-    parser.add_argument("--output-block-v", type=int, nargs="+", default=[0],
-                        help="dv slice of the output kernel; 0: default (64)")  # fmt: skip
-    parser.add_argument(
-        "--output-pass", nargs="+", default=["parallel"], choices=["fused", "parallel"],
-        help="output inside the sequential pass (fused) or in a parallel third pallas_call (parallel)",
-    )  # fmt: skip
-    parser.add_argument("--dots", nargs="+", default=["tf32"], choices=["bf16", "tf32"],
-                        help="matmul operand precision of the kernel (bf16 inputs)")  # fmt: skip
-    parser.add_argument("--solve", nargs="+", default=["doubling"], choices=["rows", "doubling"],
-                        help="how the WY kernel inverts its diagonal blocks")  # fmt: skip
+    for name, what in TILE_FLAGS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=[0], help=f"{what}; 0: default")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the results to this file")

@@ -8,15 +8,14 @@ Inputs are drawn as the 4B golden gate's random model draws them (A = U(1, 16), 
     python tools/gdn_precision.py --tokens 512
     python tools/gdn_precision.py --tokens 512 --cases kernel    # the kernel's precision forms only
 
-Two tables (--cases): "kernel", the kernel's precision forms on bf16 inputs, each site rounded as the kernel rounds
-it: "bf16" (dots="bf16"), "tf32" (dots="tf32": TF32 except the `_coarse` products, bf16), and a form the kernel does
-not offer, "tf32 + bf16 output" (the parallel output kernel's Q K^T, Q S and A V' in bf16, the rest as "tf32"),
-which asks whether the output kernel could run in bf16 because its errors do not feed the recurrence (session 7:
-no, it keeps 95% of bf16's output error: docs/accuracy.md); and "sites", one product site at a time in the other
-precision. The emulation rounds only matmul operands: it does not model what
-the kernel stores between passes in bf16 under dots="bf16" (W, U, chunk states, V'; W under "tf32"), nor the kernel's
-rounding of the normalised q to bf16 before its exp(gamma) scale in Q S (a second rounding), so it slightly flatters
-the bf16 forms.
+Two tables (--cases): "kernel", precision forms on bf16 inputs, each site rounded as that form rounds it: "tf32"
+(the kernel's: TF32 except the `_coarse` products, bf16) and two it does not take, "bf16" (every operand in bf16,
+as flash-linear-attention does; the 4B golden gate fails with it) and "tf32 + bf16 output" (the output kernel's
+Q K^T, Q S and A V' in bf16, the rest as "tf32"), which asks whether the output kernel could run in bf16 because its
+errors do not feed the recurrence (no: it keeps 95% of bf16's output error, docs/accuracy.md); and "sites", one
+product site at a time in the other precision. The emulation rounds only matmul operands: it does not model what a
+bf16 form would store between passes in bf16 (W, U, chunk states, V'; the kernel stores W so), nor a rounding of the
+normalised q to bf16 before its exp(gamma) scale in Q S (a second rounding), so it slightly flatters the bf16 forms.
 
 Sites are named by the kernel function that calls `_dot` and, for the two lines of `_chunk_output`, by its
 statement (matched in the source); a refactor of the kernel can move them, which the script reports as an
@@ -46,7 +45,7 @@ SITES = {  # site name -> (calling function, fragments of the calling line (any 
 }
 COARSE_SITES = ("solve A and A X (WY kernel)", "W S")  # the products the kernel multiplies at `_coarse(dots)`
 OUTPUT_SITES = ("Q K^T", "output (Q S, A V')")  # `_chunk_output`: the parallel output kernel's products
-PRECISIONS = {  # label -> (dots, the output kernel's precision: None = dots) on bf16 inputs
+PRECISIONS = {  # label -> (the products' precision, the output kernel's: None = the same) on bf16 inputs
     "bf16": ("bf16", None),
     "tf32": ("tf32", None),
     "tf32 + bf16 output": ("tf32", "bf16"),
@@ -54,7 +53,7 @@ PRECISIONS = {  # label -> (dots, the output kernel's precision: None = dots) on
 
 
 def kernel_modes(dots: str, output_dots: str | None) -> dict[str, str]:
-    """Each site's operand rounding in the kernel's form (dots, output_dots)."""
+    """Each site's operand rounding in the form (dots, output_dots)."""
     modes = {}
     for site in SITES:
         if site in COARSE_SITES:
@@ -123,8 +122,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--cases", nargs="+", default=["kernel", "sites"], choices=["kernel", "sites"],
-                        help="kernel: the kernel's precision forms (bf16, tf32, tf32 + bf16 output); sites: one "
-                             "product site at a time")  # fmt: skip
+                        help="kernel: the precision forms (tf32, the kernel's; bf16; tf32 + bf16 output); sites: "
+                             "one product site at a time")  # fmt: skip
     args = parser.parse_args()
     data = inputs(args.tokens)
     truth, truth_state = jax.jit(gp.gdn_chunked_prefill_ref)(*data)
@@ -140,7 +139,7 @@ def main() -> None:
     report("bf16 output rounding alone (reference)", truth.astype(jnp.bfloat16), truth_state)
     if "kernel" in args.cases:
         for label, (dots, output_dots) in PRECISIONS.items():
-            report(f"kernel form {label}", *emulate(data, kernel_modes(dots, output_dots), "ieee"))
+            report(f"form {label}", *emulate(data, kernel_modes(dots, output_dots), "ieee"))
     if "sites" not in args.cases:
         return
     report("every product bf16", *emulate(data, {}, "bf16"))
