@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from qwen35_jax.kernels.device import sm_count
+
 
 def gather_pages(pages: jax.Array, layer, page_table: jax.Array) -> jax.Array:
     """[L, N, ps, KV, D] pages of `layer`, rows by page_table [R, W] -> [R, W * ps, KV, D]."""
@@ -71,8 +73,6 @@ def paged_decode_attention_ref(q, k_pages, v_pages, layer, page_table, lengths):
 # by l at the end. The reference rounds the *normalised* probabilities instead; in bf16 both round each
 # probability to 8 mantissa bits, so outputs differ by about one bf16 ulp. In fp32 the two agree to
 # summation order (~1e-6). fp32 dots run in IEEE fp32 (no TF32), as the reference does on the CPU.
-
-H200_SMS = 132
 
 
 def dot_precision(dtype) -> lax.Precision | None:
@@ -172,9 +172,10 @@ def merge_splits(o, m, l):
     return normalise((o * weight[..., None]).sum(axis=0), (l * weight).sum(axis=0))
 
 
-def decode_splits(batch: int, kv_heads: int, max_tokens: int, block_k: int, num_sms: int = H200_SMS) -> int:
-    """Splits per row so that about two programs per SM run, at most 16 and no more than key blocks."""
-    wanted = pl.cdiv(2 * num_sms, batch * kv_heads)
+def decode_splits(batch: int, kv_heads: int, max_tokens: int, block_k: int, num_sms: int | None = None) -> int:
+    """Splits per row so that about two programs per SM (num_sms: the device's) run, at most 16 and no more than
+    key blocks."""
+    wanted = pl.cdiv(2 * (num_sms or sm_count()), batch * kv_heads)
     return max(1, min(wanted, 16, pl.cdiv(max_tokens, block_k)))
 
 

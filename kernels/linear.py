@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from qwen35_jax.kernels.device import sm_count
+
 
 @dataclasses.dataclass(frozen=True)
 class LinearTuning:
@@ -51,18 +53,6 @@ class LinearTuning:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LinearTuning.{name} must be a power of two >= 16, got {value}")
-
-
-# Interpret mode on a machine without a GPU builds the grid the H200 (132 SMs) gets, so the CPU tests cover it.
-FALLBACK_SM_COUNT = 132
-
-
-@functools.cache
-def sm_count() -> int:
-    """The streaming multiprocessors of JAX's first device (FALLBACK_SM_COUNT where it has none: the CPU)."""
-    device = jax.devices()[0]
-    count = getattr(device, "core_count", 0) if device.platform == "gpu" else 0
-    return count or FALLBACK_SM_COUNT
 
 
 def linear_ref(x: jax.Array, w: jax.Array) -> jax.Array:
