@@ -98,6 +98,7 @@ class RequestPreparer:
             ids = list(prompt)
         else:
             self._need_tokenizer("prompt")
+            _require_unicode(prompt, "prompt")
             ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
         self.check_prompt(ids, "prompt")
         return ids
@@ -155,3 +156,12 @@ class RequestPreparer:
 
 def _include_usage(request: api.SamplingFields) -> bool:
     return request.stream_options is not None and request.stream_options.include_usage
+
+
+def _require_unicode(text: str, param: str) -> None:
+    """JSON's \\u escapes can carry lone UTF-16 surrogates, which are no Unicode text: the tokenizer refuses them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"{param} is not valid Unicode: a lone surrogate {text[err.start]!r} at index "
+                            f"{err.start}", param) from None  # fmt: skip

@@ -21,6 +21,11 @@ def completion(**fields):
     return {k: v for k, v in (GOOD | fields).items() if v is not ...}
 
 
+def ascii_json(body: dict) -> bytes:
+    """The body as JSON with ASCII \\u escapes, which can carry what UTF-8 cannot (lone surrogates)."""
+    return json.dumps(body).encode()
+
+
 def chat(**fields):
     return {k: v for k, v in (CHAT_GOOD | fields).items() if v is not ...}
 
@@ -33,6 +38,10 @@ CASES = [
     ("nan-literal", "POST", COMPLETIONS, b'{"model": "tiny-test", "prompt": [1], "temperature": NaN}', {}, 400),
     ("prompt-wrong-type", "POST", COMPLETIONS, completion(prompt=5), {}, 400),
     ("prompt-float-ids", "POST", COMPLETIONS, completion(prompt=[1.5, 2.0]), {}, 400),
+    # Valid JSON (ASCII \u escapes) whose strings hold lone UTF-16 surrogates, which no tokenizer takes.
+    ("prompt-lone-surrogate", "POST", COMPLETIONS, ascii_json(completion(prompt="x\ud800y")), {}, 400),
+    ("prompt-list-lone-surrogate", "POST", COMPLETIONS, ascii_json(completion(prompt=["\udc00"])), {}, 400),
+    ("prompt-surrogate-streamed", "POST", COMPLETIONS, ascii_json(completion(prompt="\ud800", stream=True)), {}, 400),
     ("max-tokens-string", "POST", COMPLETIONS, completion(max_tokens="5"), {}, 400),
     ("max-tokens-bool", "POST", COMPLETIONS, completion(max_tokens=True), {}, 400),
     ("temperature-string", "POST", COMPLETIONS, completion(temperature="hot"), {}, 400),
