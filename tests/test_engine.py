@@ -798,7 +798,7 @@ def test_the_gpu_weight_layout_serves_the_same_tokens(engines, engine, monkeypat
 
     model = load_model("tiny", dtype="float32")
     model.params = layout_for_platform(model.params, platform="gpu")
-    per_group = engines.build(model, max_batch=2, max_prefill_tokens=32, max_model_len=512)
+    per_group = engines.build(model, max_batch=2, max_prefill_tokens=16, max_model_len=512)
     try:
         spy = StepSpy(per_group.runner, monkeypatch)
         requests = [(prompt(n, seed=400 + n), greedy(m)) for n, m in [(5, 8), (70, 5), (40, 6)]]
