@@ -1,7 +1,7 @@
 """Qwen3.5 text decoder in Flax NNX, as pure functions of (params, cache, step inputs).
 
 The modules declare every tensor once, under HF's names, so the checkpoint key of a parameter is its module path
-(see weights.py). Each layer's input projections are one fused weight (`FUSED`: the GDN layer's qkv, z, b and a;
+(see weights.py). Each layer's input projections are one fused weight (`fused_parts`: the GDN layer's qkv, z, b and a;
 the attention layer's q, k and v; the MLP's gate and up), built at load from the checkpoint's separate tensors: one
 product per projection group reads each weight once. One step may carry decode rows and prefill rows together
 (batch.StepInputs): dense layers run once over all tokens, the token mixers run per side through the kernel set
@@ -49,7 +49,9 @@ def fused_parts(cfg: Qwen35Config) -> dict[str, tuple[tuple[str, int], ...]]:
     }  # fmt: skip
 
 
-FUSED = ("in_proj", "qkv_proj", "gate_up_proj")
+# The fused projections split above FUSED_QKV_MAX_ROWS: the layers' input projections (the MLP's gate/up stays one
+# product at every size).
+INPUT_PROJECTIONS = ("in_proj", "qkv_proj")
 
 
 def _param(shape, dtype) -> nnx.Param:
@@ -122,7 +124,7 @@ def _projections(cfg: Qwen35Config, name: str, module: Linear, x, linear) -> lis
     widths = [width for _, width in fused_parts(cfg)[name]]
     bounds = list(itertools.accumulate(widths))[:-1]
     weight = module.weight[...]
-    if name != "gate_up_proj" and math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
+    if name in INPUT_PROJECTIONS and math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
         return [linear(x, part) for part in jnp.split(weight, bounds, axis=0)]
     return jnp.split(linear(x, weight), bounds, axis=-1)
 
