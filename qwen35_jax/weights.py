@@ -92,15 +92,15 @@ def weight_specs(cfg: Qwen35Config, dtype) -> list[WeightSpec]:
 
 
 def build_params(cfg: Qwen35Config, dtype, tensor_for: callable) -> dict:
-    """Params tree on the device (group params stacked), each leaf from tensor_for(spec, part) -> numpy array of
-    the part's stacked shape; a fused leaf concatenates its parts' rows."""
+    """Params tree on the device (group params stacked), each leaf from tensor_for(spec, part) -> array (numpy or
+    on the device) of the part's stacked shape; a fused leaf concatenates its parts' rows on the device."""
     _, abstract = abstract_model(cfg, dtype)
     by_path = {spec.path: spec for spec in weight_specs(cfg, dtype)}
 
     def fill(path, leaf):
         spec = by_path[_names(path)]
-        parts = [tensor_for(spec, part) for part in spec.parts]
-        return jnp.asarray(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2), dtype=leaf.dtype)
+        parts = [jnp.asarray(tensor_for(spec, part), dtype=leaf.dtype) for part in spec.parts]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-2)
 
     return jax.tree_util.tree_map_with_path(fill, abstract)
 
@@ -265,21 +265,16 @@ def random_params(cfg: Qwen35Config, dtype, seed: int = 0, scale: float = 1.0) -
     """Seeded random weights at cfg's shapes (for tests and random-weight benchmarks): each checkpoint tensor is
     drawn from its own HF key, so a fused weight holds the values its parts would."""
     start = time.perf_counter()
-    _, abstract = abstract_model(cfg, dtype)
-    by_path = {spec.path: spec for spec in weight_specs(cfg, dtype)}
     root = jax.random.key(seed)
 
-    def draw(spec: WeightSpec, part: TensorSpec, dtype) -> jax.Array:
+    def draw(spec: WeightSpec, part: TensorSpec) -> jax.Array:
         keys = [jax.random.fold_in(root, zlib_crc(k)) for k in part.hf_keys]
-        arrays = [_random_tensor(k, name, part.shape, dtype, scale) for k, name in zip(keys, part.hf_keys, strict=True)]
+        arrays = [
+            _random_tensor(k, name, part.shape, spec.dtype, scale) for k, name in zip(keys, part.hf_keys, strict=True)
+        ]
         return jnp.stack(arrays) if spec.stacked else arrays[0]
 
-    def fill(path, leaf):
-        spec = by_path[_names(path)]
-        parts = [draw(spec, part, leaf.dtype) for part in spec.parts]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-2)
-
-    params = jax.tree_util.tree_map_with_path(fill, abstract)
+    params = build_params(cfg, dtype, draw)
     jax.block_until_ready(params)
     log.info("random weights for %s in %.1fs", cfg.name, time.perf_counter() - start)
     return params
