@@ -124,9 +124,8 @@ def _shard_files(folder: Path) -> list[Path]:
 
 
 def _text_prefix(keys: list[str]) -> str:
-    if any(k.startswith("model.language_model.") for k in keys):
-        return "model.language_model."
-    return "model."
+    """The first of TEXT_PREFIXES any key has (composite checkpoints nest the text model deeper), else the last."""
+    return next((prefix for prefix in TEXT_PREFIXES if any(k.startswith(prefix) for k in keys)), TEXT_PREFIXES[-1])
 
 
 class SafetensorsReader:
