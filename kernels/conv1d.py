@@ -191,7 +191,6 @@ def _prefill_kernel(lengths_ref, x_ref, weight_ref, state_ref, y_ref, new_state_
             new_state_ref[i, :] = row.astype(new_state_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
 def causal_conv1d_prefill_pallas(x, weight, conv_state, lengths, *, interpret=False,
                                  tuning: ConvPrefillTuning = CONV_PREFILL_TUNING):  # fmt: skip
     """Pallas version of `causal_conv1d_prefill_ref` (same arguments and result; module notes)."""

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.experimental.compute_on import compute_on
 
 from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
@@ -52,6 +53,21 @@ def fused_parts(cfg: Qwen35Config) -> dict[str, tuple[tuple[str, int], ...]]:
 # The fused projections split above FUSED_QKV_MAX_ROWS: the layers' input projections (the MLP's gate/up stays one
 # product at every size).
 INPUT_PROJECTIONS = ("in_proj", "qkv_proj")
+
+
+# The GPU streams of an overlapped step's two sides (`--decode-overlap stream`); 0 is the program's own stream.
+DECODE_STREAM, PREFILL_STREAM = 1, 2
+
+
+def on_stream(fn, stream: int | None):
+    """fn as a region of the program on GPU stream `stream` (XLA's stream annotation), or fn itself for None.
+
+    A region must be built from primitives and bare Pallas calls: a nested jax.jit inside one fails at run time
+    ("No ExecutionStreamId found"), so the mixers it calls come from `kernels.region_mixers`. Its arguments are
+    passed explicitly, never closed over, and its outputs live in device memory."""
+    if stream is None:
+        return fn
+    return compute_on(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
 
 
 def _param(shape, dtype) -> nnx.Param:
@@ -152,6 +168,12 @@ class StepContext:
     sin: jax.Array  # [N, rotary_dim]
     kv_page: jax.Array  # [N] page each token's K/V goes to (padding: trash page 0)
     kv_offset: jax.Array  # [N] offset inside that page
+    # The two sides' mixers run on their own GPU streams (an overlapped step with both sides present).
+    streams: bool = False
+
+    def stream(self, side: int) -> int | None:
+        """The stream a side's mixers run on, or None for the program's own stream."""
+        return side if self.streams else None
 
     def split(self, x: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
         """Flat token rows [N, ...] -> (decode [B, ...] or None, prefill [P, T, ...] or None)."""
@@ -193,8 +215,11 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(cfg.gdn_value_dim, cfg.hidden_size, dtype)
 
     def _split_qkv(self, mixed):
+        # lax slices, not jnp.split: this runs inside stream regions.
         cfg = self.cfg
-        q, k, v = jnp.split(mixed, [cfg.gdn_key_dim, 2 * cfg.gdn_key_dim], axis=-1)
+        key_dim, axis = cfg.gdn_key_dim, mixed.ndim - 1
+        q, k, v = (lax.slice_in_dim(mixed, lo, hi, axis=axis)
+                   for lo, hi in ((0, key_dim), (key_dim, 2 * key_dim), (2 * key_dim, mixed.shape[-1])))  # fmt: skip
         lead = mixed.shape[:-1]
         return (q.reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
                 k.reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
@@ -203,19 +228,30 @@ class GatedDeltaNet(nnx.Module):
     def _decode(self, ctx, mixed, g, beta, pools, layer):
         """The decode rows' conv and recurrent states are updated where they live, in the slot pools: one read
         and one write of each (gathering them into the step and scattering them back took three)."""
+
+        def mix(mixed, weight, g, beta, ssm_pool, conv_pool, layer, slots):
+            mixed, conv_pool = ctx.mixers.conv_update(mixed, weight, conv_pool, layer, slots)
+            q, k, v = self._split_qkv(mixed)
+            out, ssm_pool = ctx.mixers.gdn_decode(q, k, v, g, beta, ssm_pool, layer, slots)
+            return out, ssm_pool, conv_pool
+
         weight = self.conv1d.weight[...][:, 0, :]
-        slots = ctx.inputs.decode.slots
-        mixed, conv_pool = ctx.mixers.conv_update(mixed, weight, pools.conv, layer, slots)
-        q, k, v = self._split_qkv(mixed)
-        out, ssm_pool = ctx.mixers.gdn_decode(q, k, v, g, beta, pools.ssm, layer, slots)
+        out, ssm_pool, conv_pool = on_stream(mix, ctx.stream(DECODE_STREAM))(
+            mixed, weight, g, beta, pools.ssm, pools.conv, layer, ctx.inputs.decode.slots
+        )
         return out, dataclasses.replace(pools, ssm=ssm_pool, conv=conv_pool)
 
     def _prefill(self, ctx, mixed, g, beta, state: GdnState):
-        lengths = ctx.inputs.prefill.lengths
+        def mix(mixed, weight, g, beta, ssm, conv, lengths):
+            mixed, conv = ctx.mixers.conv_prefill(mixed, weight, conv, lengths)
+            q, k, v = self._split_qkv(mixed)
+            out, ssm = ctx.mixers.gdn_prefill(q, k, v, g, beta, ssm, lengths)
+            return out, ssm, conv
+
         weight = self.conv1d.weight[...][:, 0, :]
-        mixed, conv = ctx.mixers.conv_prefill(mixed, weight, state.conv, lengths)
-        q, k, v = self._split_qkv(mixed)
-        out, ssm = ctx.mixers.gdn_prefill(q, k, v, g, beta, state.ssm, lengths)
+        out, ssm, conv = on_stream(mix, ctx.stream(PREFILL_STREAM))(
+            mixed, weight, g, beta, state.ssm, state.conv, ctx.inputs.prefill.lengths
+        )
         return out, GdnState(ssm, conv)
 
     def __call__(self, x, state: GdnState | None, ctx: StepContext, pools: KVPages, layer):
@@ -292,11 +328,13 @@ class Attention(nnx.Module):
         out_d = out_p = None
         if q_d is not None:
             side = ctx.inputs.decode
-            out_d = ctx.mixers.decode_attention(q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1)
+            out_d = on_stream(ctx.mixers.decode_attention, ctx.stream(DECODE_STREAM))(
+                q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1
+            )
         if q_p is not None:
             side = ctx.inputs.prefill
             (_, k_p), (_, v_p) = ctx.split(k), ctx.split(v)  # the chunk's own keys, as projected (also paged now)
-            out_p = ctx.mixers.prefill_attention(
+            out_p = on_stream(ctx.mixers.prefill_attention, ctx.stream(PREFILL_STREAM))(
                 q_p, k_p, v_p, k_pages, v_pages, layer, side.page_table, side.start, side.lengths
             )
         out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
@@ -446,15 +484,26 @@ def _logit_rows(inputs: StepInputs, all_prefill: bool) -> jax.Array:
 
 
 def forward(
-    model: ModelDef, params, cache: Cache, inputs: StepInputs, mixers: Mixers, all_prefill_logits=False
+    model: ModelDef,
+    params,
+    cache: Cache,
+    inputs: StepInputs,
+    mixers: Mixers,
+    all_prefill_logits=False,
+    streams=False,
 ) -> tuple[jax.Array, Cache]:
     """One step. Returns fp32 logits [B + P, vocab] (decode rows first, then each prefill row's last
-    token; or [B + P*T, vocab] with all_prefill_logits) and the updated cache."""
+    token; or [B + P*T, vocab] with all_prefill_logits) and the updated cache.
+
+    streams: in a step with both sides, each layer's decode-side mixers run on DECODE_STREAM and its
+    prefill-side mixers on PREFILL_STREAM (GPU only; `mixers` must then be region-safe). The dense layers stay
+    on the program's stream over the rows of both sides, so each weight is still read once."""
     top = nnx.merge(model.top, params["top"])
     cfg = model.cfg
     cos, sin = rope_tables(_flat(inputs, "positions"), cfg, model.dtype)
     kv_page, kv_offset = _kv_destinations(inputs, cache.page_size)
-    ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset)
+    both_sides = inputs.decode is not None and inputs.prefill is not None
+    ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset, streams=streams and both_sides)
     h = top.embed(_flat(inputs, "tokens"))
     has_decode = inputs.decode is not None
     states = _gather_prefill_states(cache, inputs, cfg)

@@ -54,7 +54,10 @@ def _serve_parser(subparsers) -> None:
                    help="fraction of free device memory for the KV pool and state slots")  # fmt: skip
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
     p.add_argument("--scheduler-policy", default=defaults.scheduler_policy, help="prefill budget policy: off|auto")
-    p.add_argument("--decode-overlap", default=defaults.decode_overlap, help="off|stream")
+    p.add_argument("--decode-overlap", default=defaults.decode_overlap,
+                   help="off|stream: stream runs prefill mixers beside decode mixers on separate GPU streams")  # fmt: skip
+    p.add_argument("--overlap-step-bound", type=float, default=defaults.overlap_step_bound,
+                   help="stream: a step carrying a prompt chunk costs at most this times the decode-only step")  # fmt: skip
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests beyond --max-batch running; more get HTTP 429")  # fmt: skip
     p.add_argument("--default-chat-max-tokens", type=int, default=4096,
@@ -78,7 +81,8 @@ def engine_config(args, max_position_embeddings: int):
         return EngineConfig(
             max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, max_model_len=max_model_len,
             gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
-            scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap, compile_cache=cache,
+            scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap,
+            overlap_step_bound=args.overlap_step_bound, compile_cache=cache,
         )  # fmt: skip
     except ValueError as err:
         raise FlagError(str(err)) from None
@@ -113,6 +117,12 @@ def validate_serve(args):
         raise FlagError("--served-model-name must not be empty")
     cfg = model_config(args.model)
     config = engine_config(args, cfg.max_position_embeddings)
+    from qwen35_jax.serving.factory import check_overlap
+
+    try:
+        check_overlap(config.decode_overlap, args.kernels)
+    except ValueError as err:
+        raise FlagError(str(err)) from None
     if config.max_model_len > cfg.max_position_embeddings:
         raise FlagError(f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings "
                         f"({cfg.max_position_embeddings})")  # fmt: skip

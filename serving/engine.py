@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 
 from qwen35_jax.sampling import SamplingParams
-from qwen35_jax.serving.plan import Request, StepPlan
+from qwen35_jax.serving.plan import OVERLAP_COMPLETE, OVERLAP_LAUNCH, OVERLAP_WAIT, Request, StepPlan
 from qwen35_jax.serving.runner import StepHandle
 from qwen35_jax.serving.scheduler import RequestRejected, Scheduler
 from qwen35_jax.tokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -164,11 +164,24 @@ class Engine:
         """One iteration; returns False when there was nothing to do."""
         self._drain_inbox()
         plan = self.scheduler.schedule()
+        if not plan.decode and self._in_flight is not None and self._in_flight.plan.action == OVERLAP_LAUNCH:
+            self._wait_for_overlap()
         launched = self._launch(plan) if plan.action != "idle" else None
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._process(previous)
         return launched is not None or previous is not None
+
+    def _wait_for_overlap(self) -> None:
+        """The last decoder retired while an overlapped step is in flight: block on that step explicitly, and
+        deliver its chunk, before the prefill-only steps that follow (pegainfer's `overlap_wait`)."""
+        handle, self._in_flight = self._in_flight, None
+        self._trace(f"ITL_STEP step={handle.plan.step_id} plan={OVERLAP_WAIT}")
+        self._process(handle)
+
+    def _trace(self, line: str) -> None:
+        if self.trace_steps:
+            log.info(line)
 
     def _sampling_rows(self, plan: StepPlan) -> list[SamplingRow]:
         rows = []
@@ -181,7 +194,7 @@ class Engine:
 
     def _launch(self, plan: StepPlan) -> StepHandle | None:
         if self.trace_steps:
-            log.info(self.scheduler.trace(plan))
+            self._trace(self.scheduler.trace(plan))
         try:
             return self.runner.launch(plan, self._sampling_rows(plan))
         except Exception as err:  # a failed step fails its requests, not the engine
@@ -205,6 +218,9 @@ class Engine:
             log.exception("step %d failed on the device", handle.plan.step_id)
             self._fail_step(handle.plan, f"engine step failed: {err}")
             return
+        if handle.plan.action == OVERLAP_LAUNCH:
+            self._trace(f"ITL_STEP step={handle.plan.step_id} plan={OVERLAP_COMPLETE} "
+                        f"prefill_tok={handle.plan.num_prefill_tokens}")  # fmt: skip
         for i, row in handle.output_rows():
             if getattr(row, "is_last", True):
                 top = (None, None) if top_ids is None else (top_ids[i], top_lp[i])

@@ -14,7 +14,7 @@ from qwen35_jax.cache import CacheSpec, bytes_per_page, bytes_per_slot
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.serving.engine import Engine
 from qwen35_jax.serving.runner import Buckets, Runner
-from qwen35_jax.serving.scheduler import Scheduler, SchedulerConfig
+from qwen35_jax.serving.scheduler import OverlapBudget, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ class EngineConfig:
     num_pages: int | None = None  # explicit KV pool size (CPU); on GPU it comes from the memory fraction
     scheduler_policy: str = "off"
     decode_overlap: str = "off"
+    # Under stream overlap, a step that carries a prompt chunk beside decode rows costs at most this many times
+    # the decode-only step (measured per bucket at start).
+    overlap_step_bound: float = 2.0
     num_top_logprobs: int = 20
     compile_cache: str | None = str(DEFAULT_COMPILE_CACHE)
 
@@ -46,15 +49,22 @@ class EngineConfig:
             (self.num_pages is None or self.num_pages >= 2, f"--num-pages must be >= 2, got {self.num_pages}"),
             (self.scheduler_policy in ("off", "auto"), f"--scheduler-policy must be off|auto, got {self.scheduler_policy!r}"),
             (self.decode_overlap in ("off", "stream"), f"--decode-overlap must be off|stream, got {self.decode_overlap!r}"),
+            (isinstance(self.overlap_step_bound, (int, float)) and self.overlap_step_bound >= 1.0,
+             f"--overlap-step-bound must be a number >= 1.0, got {self.overlap_step_bound!r}"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        if self.decode_overlap == "stream":
-            raise ValueError(
-                "--decode-overlap stream is not implemented yet (the unified step runs both sides on one "
-                "stream); use --decode-overlap off"
-            )
+
+
+def check_overlap(decode_overlap: str, kernels: str, platform: str | None = None) -> None:
+    """Raises ValueError naming both flags for a combination that cannot run: on a GPU the stream regions
+    must hold bare Pallas kernels, and the pure-JAX references call jitted helpers that no region can hold."""
+    if decode_overlap == "stream" and kernels == "ref" and (platform or jax.default_backend()) == "gpu":
+        raise ValueError(
+            "--decode-overlap stream needs --kernels pallas on a GPU: the references call jitted jnp helpers, "
+            "which cannot run inside a GPU stream region"
+        )
 
 
 def enable_compile_cache(path: str | None) -> None:
@@ -100,7 +110,7 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
     )  # fmt: skip
     buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks)
     runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
-                    config.num_top_logprobs)  # fmt: skip
+                    config.num_top_logprobs, decode_overlap=config.decode_overlap)  # fmt: skip
     scheduler = Scheduler(SchedulerConfig(
         max_batch=config.max_batch, max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,
         num_pages=spec.num_pages, num_slots=spec.num_slots, max_model_len=config.max_model_len,
@@ -112,4 +122,14 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         log.info("compiled %d step programs and %d row programs in %.1fs (wall; %.1fs summed over programs)",
                  runner.num_compiles, runner.num_row_compiles, seconds,
                  sum(runner.compile_seconds.values()) + sum(runner.row_compile_seconds.values()))  # fmt: skip
+        if config.decode_overlap == "stream":
+            scheduler.overlap_budget = overlap_budget(runner, config.overlap_step_bound)
     return Engine(runner, scheduler, model.tokenizer, model.config.eos_token_ids)
+
+
+def overlap_budget(runner: Runner, bound: float) -> OverlapBudget:
+    """Measures every program with decode rows and sizes the overlapped steps from them; logs the result."""
+    budget = OverlapBudget.from_costs(runner.measure_step_costs(), bound)
+    log.info("overlapped steps within %.2fx of decode: %s", bound,
+             ", ".join(f"B<={rows}: {tokens} prompt tokens" for rows, tokens in budget.limits))  # fmt: skip
+    return budget

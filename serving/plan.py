@@ -19,7 +19,16 @@ PREFILL = "prefill"
 DECODE = "decode"
 UNIFIED = "unified"
 IDLE = "idle"
-STEP_ACTIONS = (PREFILL, DECODE, UNIFIED, IDLE)
+# Under `--decode-overlap stream` (pegainfer's action names): a step that launches a prompt chunk beside decode
+# rows, the chunk's prefill mixers on their own stream; and a decode-only step launched while such a step is
+# still in flight (not yet read back by the host).
+OVERLAP_LAUNCH = "overlap_launch"
+OVERLAP_DECODE = "overlap_decode"
+# Engine events, never plan actions: the host reads an overlapped step back (its chunk is complete), or blocks
+# on one because the last decoder retired while it was in flight.
+OVERLAP_COMPLETE = "overlap_complete"
+OVERLAP_WAIT = "overlap_wait"
+STEP_ACTIONS = (PREFILL, DECODE, UNIFIED, IDLE, OVERLAP_LAUNCH, OVERLAP_DECODE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +81,8 @@ class StepPlan:
     decode: tuple[DecodeRow, ...]
     # Prompt chunks to prefill in this step (at most `max_prefill_chunks`, one per request).
     prefill: tuple[PrefillChunk, ...]
-    # "prefill" (chunks only), "decode" (rows only), "unified" (both in one step) or "idle" (nothing).
+    # "prefill" (chunks only), "decode" (rows only), "unified" (both in one step) or "idle" (nothing); under
+    # stream overlap "overlap_launch" in place of "unified", and "overlap_decode" for a decode step behind it.
     action: str
     # Prefill token budget the policy granted this step; `num_prefill_tokens <= budget`.
     budget: int

@@ -32,7 +32,7 @@ import numpy as np
 
 from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
 from qwen35_jax.cache import CacheSpec, new_cache
-from qwen35_jax.kernels import Mixers
+from qwen35_jax.kernels import Mixers, region_mixers
 from qwen35_jax.model import ModelDef, forward
 from qwen35_jax.serving.device_sampling import SamplingRows, greedy, resample, top_logprobs
 from qwen35_jax.serving.plan import StepPlan
@@ -94,13 +94,14 @@ class Buckets:
 ROW_PROGRAMS = ("sample", "top")
 
 
-def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, param_leaves, *args):
-    return engine_step(model, mixer_set, jax.tree.unflatten(treedef, param_leaves), *args)
+def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, streams: bool, param_leaves, *args):
+    return engine_step(model, mixer_set, jax.tree.unflatten(treedef, param_leaves), *args, streams=streams)
 
 
-def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, inputs):
+def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, inputs, streams=False):
     """forward + greedy tokens; decode tokens come from token_state, the chosen tokens go back into it.
-    Returns (cache, token_state, (tokens, their logprobs), logits for the row programs)."""
+    Returns (cache, token_state, (tokens, their logprobs), logits for the row programs). streams: the two
+    sides' mixers on their own GPU streams (`forward`)."""
     slots = []
     if inputs.decode is not None:
         inputs = dataclasses.replace(
@@ -109,7 +110,7 @@ def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, 
         slots.append(inputs.decode.slots)
     if inputs.prefill is not None:
         slots.append(inputs.prefill.slots)
-    logits, cache = forward(model, params, cache, inputs, mixer_set)
+    logits, cache = forward(model, params, cache, inputs, mixer_set, streams=streams)
     tokens, chosen = greedy(logits)
     token_state = token_state.at[jnp.concatenate(slots)].set(tokens)
     return cache, token_state, (tokens, chosen), logits
@@ -142,9 +143,18 @@ class StepHandle:
         return tuple(None if x is None else np.asarray(x) for x in self.outputs)
 
 
+def annotates_streams(decode_overlap: str, platform: str | None = None) -> bool:
+    """True when the unified programs carry stream regions: `stream` on a GPU. Elsewhere `stream` runs the same
+    programs without the annotations (one stream is all a CPU has), so its scheduling is tested anywhere."""
+    return decode_overlap == "stream" and (platform or jax.default_backend()) == "gpu"
+
+
 class Runner:
     def __init__(self, model_def: ModelDef, params, mixer_set: Mixers, spec: CacheSpec, buckets: Buckets,
-                 max_model_len: int, num_top_logprobs: int = 20):  # fmt: skip
+                 max_model_len: int, num_top_logprobs: int = 20, decode_overlap: str = "off"):  # fmt: skip
+        self.streams = annotates_streams(decode_overlap)
+        if self.streams:
+            mixer_set = region_mixers(mixer_set)
         self.model_def, self.params, self.mixers = model_def, params, mixer_set
         self.spec, self.buckets = spec, buckets
         self.page_table_width = -(-max_model_len // spec.page_size)
@@ -160,7 +170,9 @@ class Runner:
         # The programs take the weights as a flat list: flattening the nnx tree runs Python per variable, which
         # at 4B with per-group weights (426 arrays) cost ~0.35 ms of host time per step.
         self._param_leaves, treedef = jax.tree.flatten(params)
-        self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set), donate_argnums=(1, 2))
+        # Only programs with both sides differ under `streams` (model.forward), so one jit serves every key.
+        self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set, self.streams),
+                               donate_argnums=(1, 2))  # fmt: skip
         self._row_jitted = {"sample": jax.jit(sampler_step, donate_argnums=(2,)),
                             "top": jax.jit(partial(top_logprobs, num_top=num_top_logprobs))}  # fmt: skip
 
@@ -293,6 +305,35 @@ class Runner:
             if bar is not None:
                 bar.close()
         return time.perf_counter() - start
+
+    # ---- step costs --------------------------------------------------------------------------------------
+    def padding_inputs(self, key) -> StepInputs:
+        """Inputs of bucket `key` whose every row is padding (trash slot, trash page), prefill rows full: a
+        run of the program writes nothing any request reads."""
+        b, p, t = key
+        w = self.page_table_width
+        trash = partial(np.full, fill_value=self.trash_slot, dtype=np.int32)
+        decode = DecodeSide(np.zeros(b, np.int32), np.zeros(b, np.int32), trash(b), np.zeros((b, w), np.int32))
+        prefill = PrefillSide(np.zeros((p, t), np.int32), np.zeros(p, np.int32), np.full(p, t, np.int32), trash(p),
+                              np.zeros((p, w), np.int32))  # fmt: skip
+        return StepInputs(decode if b else None, prefill if p else None)
+
+    def measure_step_costs(self, keys=None, repeats: int = 3) -> dict[tuple[int, int, int], float]:
+        """Device seconds of each compiled step program (the median of `repeats` runs, each waited for), on
+        padding inputs: what the host sizes overlapped steps from (`scheduler.OverlapBudget`)."""
+        costs = {}
+        for key in keys or [k for k in self.buckets.keys() if k[0]]:
+            executable = self.executables.get(key) or self.compile(key)
+            inputs, runs = self.padding_inputs(key), []
+            for _ in range(repeats + 1):  # the first run also pays one-time costs (autotuning, allocation)
+                start = time.perf_counter()
+                self.cache, self.token_state, outputs, _ = executable(
+                    self._param_leaves, self.cache, self.token_state, inputs
+                )
+                jax.block_until_ready(outputs)
+                runs.append(time.perf_counter() - start)
+            costs[key] = float(np.median(runs[1:]))
+        return costs
 
     # ---- launch ------------------------------------------------------------------------------------------
     def launch(self, plan: StepPlan, sampling: list) -> StepHandle:

@@ -30,6 +30,8 @@ import dataclasses
 from .plan import (
     DECODE,
     IDLE,
+    OVERLAP_DECODE,
+    OVERLAP_LAUNCH,
     PREFILL,
     UNIFIED,
     DecodeRow,
@@ -42,6 +44,38 @@ from .pools import PagePool, SlotPool, pages_needed
 
 POLICIES = ("off", "auto")
 DECODE_OVERLAPS = ("off", "stream")
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapBudget:
+    """The prompt tokens an overlapped step may carry beside its decode rows, so that it stays within `bound`
+    times the decode-only step of the same batch bucket: the decoders wait at most that long for a token while
+    a prompt moves. Built from the measured device time of the compiled programs (`from_costs`)."""
+
+    # (decode rows up to, chunk tokens at most), by ascending rows: one entry per decode bucket.
+    limits: tuple[tuple[int, int], ...]
+
+    def tokens_for(self, num_decode: int) -> int:
+        for rows, tokens in self.limits:
+            if num_decode <= rows:
+                return tokens
+        return self.limits[-1][1]
+
+    @classmethod
+    def from_costs(cls, costs: dict[tuple[int, int, int], float], bound: float) -> OverlapBudget:
+        """costs: seconds by bucket key (B, P, T), decode-only keys (B, 0, 0) included. Each decode bucket gets
+        its largest chunk bucket whose step costs at most `bound` x its decode-only step, and at least its
+        smallest chunk bucket, so that a prompt always moves."""
+        limits = []
+        for b in sorted({key[0] for key in costs if key[0] and not key[1]}):
+            chunks = sorted((t, cost) for (rows, p, t), cost in costs.items() if rows == b and p)
+            if not chunks:
+                continue
+            fitting = [t for t, cost in chunks if cost <= bound * costs[(b, 0, 0)]]
+            limits.append((b, max(fitting, default=chunks[0][0])))
+        if not limits:
+            raise ValueError("no unified step costs to size overlapped steps from")
+        return cls(tuple(limits))
 
 
 class RequestRejected(ValueError):
@@ -100,8 +134,11 @@ def _require_choice(config: SchedulerConfig, name: str, choices: tuple[str, ...]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, overlap_budget: OverlapBudget | None = None):
         self.config = config
+        # Under stream overlap, sizes each step's chunk from its decode rows (None: the cap alone).
+        self.overlap_budget = overlap_budget
+        self._last_action = IDLE
         self.page_pool = PagePool(config.num_pages, config.page_size)
         self.slot_pool = SlotPool(config.num_slots)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -169,8 +206,12 @@ class Scheduler:
         budget = self._prefill_budget(decoders)
         decode = tuple(self._launch_decode(request) for request in decoders)
         prefill = tuple(self._launch_chunks(budget))
-        plan = StepPlan(self._next_step_id, decode, prefill, step_action(decode, prefill), budget)
+        action = step_action(decode, prefill)
+        if self.config.decode_overlap == "stream":
+            action = overlap_action(action, self._last_action)
+        plan = StepPlan(self._next_step_id, decode, prefill, action, budget)
         self._next_step_id += 1
+        self._last_action = action
         return plan
 
     def _admit_waiting(self) -> None:
@@ -207,6 +248,9 @@ class Scheduler:
         """Prompt tokens this step may prefill: the cap under `off`; under `auto`, the adaptive budget of
         pegainfer (the reference this engine reproduces), whose three cases follow."""
         cap = self.config.max_prefill_tokens
+        overlapped = self.config.decode_overlap == "stream"
+        if overlapped and decoders and self.overlap_budget is not None:
+            cap = min(cap, self.overlap_budget.tokens_for(len(decoders)))
         front = self._prefill_front()
         # With nothing decoding there is no inter-token latency to protect: take the whole cap.
         if self.config.policy == "off" or front is None or not decoders:
@@ -214,7 +258,7 @@ class Scheduler:
         # Decode-priority tick: requests about to finish get their last tokens from cheap steps. With
         # stream overlap the chunk runs beside decode, so deferring it would only delay prefill.
         window = self.config.finishing_window
-        if self.config.decode_overlap == "off" and any(r.remaining_tokens <= window for r in decoders):
+        if not overlapped and any(r.remaining_tokens <= window for r in decoders):
             return 0
         # Only the FIFO front's remainder, so a decode step is never inflated by packing later prompts.
         return min(front.remaining_prompt, cap)
@@ -285,6 +329,16 @@ def step_action(decode: tuple[DecodeRow, ...], prefill: tuple[PrefillChunk, ...]
     if prefill:
         return PREFILL
     return DECODE if decode else IDLE
+
+
+def overlap_action(action: str, previous: str) -> str:
+    """The action of a plan under stream overlap: a unified step is an overlap launch, and a decode step right
+    behind one runs while that one is still in flight (the host reads every step back one step late)."""
+    if action == UNIFIED:
+        return OVERLAP_LAUNCH
+    if action == DECODE and previous == OVERLAP_LAUNCH:
+        return OVERLAP_DECODE
+    return action
 
 
 def trace(plan: StepPlan) -> str:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from qwen35_jax.serving.plan import DecodeRow, PrefillChunk, Request, RequestStatus, StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE, PagePool, SlotPool, pages_needed
-from qwen35_jax.serving.scheduler import RequestRejected, Scheduler, SchedulerConfig, trace
+from qwen35_jax.serving.scheduler import OverlapBudget, RequestRejected, Scheduler, SchedulerConfig, trace
 
 
 def make_config(**overrides) -> SchedulerConfig:
@@ -281,8 +281,62 @@ def test_auto_defers_prefill_while_a_decoder_is_in_the_finishing_window():
 
 def test_auto_keeps_prefilling_in_the_finishing_window_under_stream_overlap():
     scheduler, (_, _, inside) = decoder_near_its_end(decode_overlap="stream")
-    assert inside.budget == 16 and inside.action == "unified"
+    assert inside.budget == 16 and inside.action == "overlap_launch"
     assert scheduler.running["p"].num_computed_tokens == 32
+
+
+# ---- stream overlap -----------------------------------------------------------------------------
+
+
+def test_overlap_budget_takes_the_largest_chunk_within_the_bound():
+    costs = {(1, 0, 0): 1.0, (1, 1, 16): 1.5, (1, 1, 32): 1.9, (1, 1, 64): 3.0,
+             (4, 0, 0): 2.0, (4, 1, 16): 4.5, (4, 1, 32): 5.0, (4, 1, 64): 6.0,
+             (0, 1, 64): 2.5}  # fmt: skip
+    budget = OverlapBudget.from_costs(costs, bound=2.0)
+    # B=1: 32 tokens cost 1.9 <= 2.0; B=4: nothing fits 4.0, so the smallest chunk keeps the prompt moving.
+    assert budget.limits == ((1, 32), (4, 16))
+    assert [budget.tokens_for(n) for n in (1, 2, 4, 9)] == [32, 16, 16, 16]
+    assert OverlapBudget.from_costs(costs, bound=3.0).limits == ((1, 64), (4, 64))
+    with pytest.raises(ValueError, match="no unified step costs"):
+        OverlapBudget.from_costs({(1, 0, 0): 1.0}, bound=2.0)
+
+
+@pytest.mark.parametrize("policy", ["off", "auto"])
+def test_stream_overlap_caps_the_chunk_beside_decoders_only(policy):
+    budget = OverlapBudget(((2, 8), (4, 4)))
+    scheduler = scheduler_with(make_request("d", 2, 50), max_prefill_tokens=16, policy=policy,
+                               decode_overlap="stream")  # fmt: skip
+    scheduler.overlap_budget = budget
+    assert scheduler.schedule().prefill[0].token_ids == tuple(range(1000, 1002))  # nothing decodes yet
+    scheduler.add(make_request("p", 40, 4))
+    plan = scheduler.schedule()  # one decoder: 8 tokens at most, under either policy
+    assert plan.action == "overlap_launch" and len(plan.prefill[0].token_ids) == 8 and plan.budget == 8
+    for r in ("q", "s"):
+        scheduler.add(make_request(r, 2, 50))
+    scheduler.schedule()
+    # "p" still prefills; admitted "q" and "s" wait behind it as the FIFO front's chunks go (one per step).
+    decoders = [r for r in scheduler.running.values() if r.remaining_prompt == 0 and r.remaining_tokens > 0]
+    plan = scheduler.schedule()
+    assert len(plan.decode) == len(decoders) and len(plan.prefill[0].token_ids) == budget.tokens_for(len(decoders))
+
+
+def test_off_ignores_an_overlap_budget():
+    scheduler = scheduler_with(make_request("d", 2, 50), max_prefill_tokens=16)
+    scheduler.overlap_budget = OverlapBudget(((4, 4),))
+    scheduler.schedule()
+    scheduler.add(make_request("p", 40, 4))
+    plan = scheduler.schedule()
+    assert plan.action == "unified" and len(plan.prefill[0].token_ids) == 16
+
+
+def test_stream_actions_name_the_step_behind_an_overlapped_one():
+    scheduler = scheduler_with(make_request("d", 2, 6), max_prefill_tokens=16, decode_overlap="stream")
+    assert scheduler.schedule().action == "prefill"
+    scheduler.add(make_request("p", 20, 4))
+    actions = [scheduler.schedule().action for _ in range(4)]
+    # 16 + 4 prompt tokens beside the decoder, then decode steps: the first behind the last launch is
+    # overlap_decode (that launch is still in flight), the next a plain decode.
+    assert actions == ["overlap_launch", "overlap_launch", "overlap_decode", "decode"]
 
 
 def test_auto_budget_is_the_fifo_front_remainder_capped():
