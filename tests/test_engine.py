@@ -39,7 +39,7 @@ GOLDEN_DIR = Path(__file__).parent / "fixtures" / "golden"
 GOLDEN_CASES = sorted(p.name for p in GOLDEN_DIR.iterdir() if (p / "golden.npz").is_file())
 
 TIE_GAP = 1e-4  # a greedy argmax may flip between equivalent fp32 runs only below this top-2 logprob gap
-LOGPROB_ATOL = 1e-4  # logprobs of equivalent fp32 runs (observed differences up to ~2e-5)
+LOGPROB_ATOL = 2e-4  # logprobs of equivalent fp32 runs (observed up to 1.1e-4: 16- against 64-token GDN chunks)
 HF_LOGPROB_ATOL = 1e-4  # engine logprobs against HF's fp32 goldens (observed < 1e-5)
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch: compile or cache load
 
