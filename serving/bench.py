@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--label", default=None, help="a name for this run in the result and in `compare`")
     p.add_argument("--result-json", default=None, help="write the result here")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="also keep each request's TTFT and inter-token gaps in the result (in seconds)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     sub = p.add_subparsers(dest="bench_command")
     compare = sub.add_parser("compare", help="A/B table of two result files")
@@ -236,6 +238,9 @@ def summarize(args, model: str, results: list[RequestResult], duration: float) -
     summary |= _stats("tpot", tpot)
     summary |= _stats("itl", [gap for r in ok for gap in r.itl])
     summary |= _stats("e2el", [r.latency for r in ok])
+    if getattr(args, "save_detailed", False):
+        summary["ttfts"] = [r.ttft for r in ok]
+        summary["itls"] = [r.itl for r in ok]
     return summary
 
 

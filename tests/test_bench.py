@@ -21,7 +21,7 @@ def bench_flags(server) -> list[str]:
 def test_short_run_at_fixed_concurrency_has_no_failures(idle_server, tmp_path):
     result = tmp_path / "a.json"
     command = [sys.executable, "-m", "qwen35_jax.serving.bench", *bench_flags(idle_server), *SHORT,
-               "--max-concurrency", "4", "--label", "conc4", "--result-json", str(result)]  # fmt: skip
+               "--max-concurrency", "4", "--label", "conc4", "--result-json", str(result), "--save-detailed"]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     summary = json.loads(result.read_text())
@@ -35,6 +35,9 @@ def test_short_run_at_fixed_concurrency_has_no_failures(idle_server, tmp_path):
     assert summary["request_throughput"] > 0 and summary["output_throughput"] > 0
     assert summary["total_token_throughput"] > summary["output_throughput"]
     assert "TTFT mean (ms)" in run.stdout
+    # --save-detailed: each request's TTFT and its gaps between the 8 tokens' chunks
+    assert len(summary["ttfts"]) == 8 and [len(gaps) for gaps in summary["itls"]] == [7] * 8
+    assert max(summary["ttfts"]) * 1000 <= summary["p99_e2el_ms"]
 
 
 def test_poisson_run_through_the_cli_and_the_ab_table(idle_server, tmp_path, capsys):
