@@ -3,7 +3,7 @@
 For each mode it builds a runner over the same weights, compiles the step programs of a few buckets in parallel,
 and reports:
 - the stream regions in each compiled unified program (`call-start` count and the annotated stream ids);
-- each program's device time (`Runner.measure_step_costs`: median of repeated runs on padding inputs), beside the
+- each program's device time (`Runner.measure_step_costs`: repeated runs dispatched back to back on padding inputs), beside the
   sum of its two sides run as separate programs (decode-only + prefill-only);
 - greedy parity: the same workload on both modes' engines, with the same plans (no overlap budget, so both
   schedulers plan alike), must give the same tokens.
