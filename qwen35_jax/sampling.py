@@ -54,5 +54,5 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 def sample_host(logits: np.ndarray, params: SamplingParams, step: int) -> int:
     if params.greedy:
         return int(np.argmax(logits))
-    rng = np.random.default_rng([params.seed, step])
+    rng = np.random.default_rng([params.seed % 2**64, step])
     return int(rng.choice(len(logits), p=filtered_probs(logits, params)))

@@ -1,9 +1,10 @@
 """Per-row sampling on the device: greedy, temperature, top_k, top_p, min_p, a seed per request, logprobs.
 
 Randomness is keyed by (request seed, index of the token in the request's output), never by the step or
-the row, so a seeded request samples the same tokens whatever else shares its batch. Filters apply in the
-order temperature -> top_k -> top_p -> min_p over probabilities sorted once per row; the draw is a
-Gumbel-max over the kept set. Logprobs are of the unfiltered distribution at temperature 1 (as OpenAI).
+the row, and each token id draws its own noise, so a seeded request samples the same tokens whatever else shares
+its batch: a reordering of near-tied logits moves no noise between tokens. The seed is a whole 64-bit integer.
+Filters apply in the order temperature -> top_k -> top_p -> min_p over probabilities sorted once per row; the
+draw is a Gumbel-max over the kept set. Logprobs are of the unfiltered distribution at temperature 1 (as OpenAI).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class SamplingRows:
     top_k: jax.Array  # [R] int32, 0 = off
     top_p: jax.Array  # [R] fp32 in (0, 1]
     min_p: jax.Array  # [R] fp32 in [0, 1)
-    seed: jax.Array  # [R] uint32
+    seed_hi: jax.Array  # [R] uint32: the high and low words of the request's 64-bit seed (two's complement)
+    seed_lo: jax.Array  # [R] uint32
     output_index: jax.Array  # [R] int32: index of the token being sampled in the request's output
 
     @staticmethod
@@ -34,10 +36,13 @@ class SamplingRows:
             values = [default if r is None else getattr(r, name) for r in rows] + [default] * (pad_to - len(rows))
             return np.asarray(values, dtype=dtype)
 
+        seeds = [0 if r is None else r.seed % 2**64 for r in rows] + [0] * (pad_to - len(rows))
         return SamplingRows(
             temperature=column("temperature", np.float32, 0.0), top_k=column("top_k", np.int32, 0),
             top_p=column("top_p", np.float32, 1.0), min_p=column("min_p", np.float32, 0.0),
-            seed=column("seed", np.uint32, 0), output_index=column("output_index", np.int32, 0),
+            seed_hi=np.asarray([s >> 32 for s in seeds], np.uint32),
+            seed_lo=np.asarray([s & 0xFFFFFFFF for s in seeds], np.uint32),
+            output_index=column("output_index", np.int32, 0),
         )  # fmt: skip
 
 
@@ -57,9 +62,14 @@ def _draw(logits, rows: SamplingRows):
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / temperature
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     keep = _keep_mask(probs, rows.top_k, rows.top_p, rows.min_p)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(rows.seed, rows.output_index)
+    # The key's data is the 64-bit seed's two words: jax.random.key(seed) for a seed below 2**32.
+    keys = jax.vmap(lambda hi, lo, i: jax.random.fold_in(jax.random.wrap_key_data(jnp.stack([hi, lo])), i))(
+        rows.seed_hi, rows.seed_lo, rows.output_index
+    )
+    # Noise by token id, gathered into rank order.
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    rank = jnp.argmax(jnp.where(keep, sorted_logits + gumbel, -jnp.inf), axis=-1)
+    sorted_gumbel = jnp.take_along_axis(gumbel, order, axis=-1)
+    rank = jnp.argmax(jnp.where(keep, sorted_logits + sorted_gumbel, -jnp.inf), axis=-1)
     return jnp.take_along_axis(order, rank[:, None], axis=-1)[:, 0]
 
 

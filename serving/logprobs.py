@@ -59,6 +59,9 @@ class LogprobFormatter:
             top: dict[str, float] = {}
             for token_id, logprob in entry.top:  # most likely first: a name shared by two tokens keeps the higher
                 top.setdefault(self.token_text(token_id), finite_logprob(logprob))
+            # The sampled token is always there, as in OpenAI's and vLLM's completions: logprobs=N gives up to N + 1
+            # entries, and logprobs=0 the sampled token alone.
+            top.setdefault(tokens[-1], chosen[-1])
             tops.append(top)
             offsets.append(offset)
             offset += len(text)

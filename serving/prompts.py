@@ -150,7 +150,7 @@ class RequestPreparer:
             top_k=0 if top_k < 0 or top_k >= self.config.vocab_size else top_k,
             top_p=1.0 if request.top_p is None else request.top_p,
             min_p=request.min_p or 0.0,
-            seed=secrets.randbits(32) if request.seed is None else request.seed % 2**32,
+            seed=secrets.randbits(63) if request.seed is None else request.seed,
         )  # fmt: skip
 
 

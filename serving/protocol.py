@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_TOP_LOGPROBS = 20
-SEED_RANGE = (-(2**63), 2**64 - 1)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as vLLM takes it
 
 
 def _integral(value: Any) -> Any:

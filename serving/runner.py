@@ -235,8 +235,8 @@ class Runner:
         logits = f32((r, self.model_def.cfg.vocab_size))
         if kind == "top":
             return self._row_jitted["top"].lower(logits, i32((r,)))
-        rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)),
-                            jax.ShapeDtypeStruct((r,), jnp.uint32), i32((r,)))  # fmt: skip
+        u32 = jax.ShapeDtypeStruct((r,), jnp.uint32)
+        rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)), u32, u32, i32((r,)))
         return self._row_jitted["sample"].lower(logits, rows, self.token_state, i32((r,)), i32((r,)))
 
     def _timed_compile(self, lowered, lower_seconds: float) -> tuple[object, float]:

@@ -657,6 +657,30 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     assert np.asarray(tokens)[1:].tolist() == np.argmax(logits[1:], axis=-1).tolist()
 
 
+def test_seeded_noise_belongs_to_token_ids_not_ranks():
+    """Raising one logit by 1e-3 moves it to rank 0 among equal logits, and every token before it down one rank.
+    The draw must not change unless that token wins by less than 1e-3 (probability ~1e-3 per draw): the noise
+    of a token is a function of (seed, output index, token id), so a batch-dependent reordering of near-tied
+    logits cannot move it to other tokens."""
+    vocab, draws = 64, 32
+    flat = np.zeros((draws, vocab), np.float32)
+    nudged = flat.copy()
+    nudged[:, vocab // 2] += 1e-3
+    rows = sampling_rows(draws, temperature=1.0, seed=np.arange(draws) + 100, output_index=2)
+    a, b = (np.asarray(sample_jit(logits, rows, 1)[0]) for logits in (flat, nudged))
+    assert len(set(a.tolist())) > 8  # the draws really vary with the seed
+    assert (a == b).sum() >= draws - 1, (a, b)
+
+
+def test_seeds_differ_in_their_high_bits():
+    """Seeds that share their low 32 bits draw differently: the whole 64-bit seed keys the noise."""
+    seeds = [1, 2**32 + 1, -(2**32) + 1, 2**63 - 1, -(2**63)]
+    logits = np.zeros((8, 512), np.float32)
+    draws = [np.asarray(sample_jit(logits, sampling_rows(8, temperature=1.0, seed=seed, output_index=np.arange(8)),
+                                   1)[0]).tolist() for seed in seeds]  # fmt: skip
+    assert len({tuple(d) for d in draws}) == len(seeds), draws
+
+
 @pytest.mark.parametrize("filters", [dict(top_k=1), dict(min_p=0.99), dict(top_p=1e-6)], ids=str)
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_filters_that_keep_one_token_equal_the_argmax(filters, temperature):

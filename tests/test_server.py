@@ -64,6 +64,24 @@ def test_seeded_sampling_is_reproducible(idle_server):
     assert a.choices[0].text == b.choices[0].text
 
 
+def test_seeds_use_all_64_bits(idle_server):
+    """1, 2**32 + 1 and -(2**32) + 1 share their low 32 bits; the int64 bounds are accepted."""
+    client = idle_server.client()
+    texts = [greedy(client, prompt=PROMPT_IDS, max_tokens=16, temperature=1.0, seed=seed,
+                    extra_body={"ignore_eos": True}).choices[0].text
+             for seed in (1, 2**32 + 1, -(2**32) + 1, 2**63 - 1, -(2**63))]  # fmt: skip
+    assert len(set(texts)) == len(texts), texts
+
+
+def test_completion_logprobs_zero_gives_the_sampled_token(idle_server):
+    response = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=6, logprobs=0, temperature=1.0, seed=3,
+                      extra_body={"ignore_eos": True})  # fmt: skip
+    logprobs = response.choices[0].logprobs
+    assert [list(top.items()) for top in logprobs.top_logprobs] == [
+        [(token, chosen)] for token, chosen in zip(logprobs.tokens, logprobs.token_logprobs, strict=True)
+    ]
+
+
 def test_completion_logprobs(idle_server):
     response = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=6, logprobs=3,
                       extra_body={"ignore_eos": True})  # fmt: skip
