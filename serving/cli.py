@@ -66,6 +66,9 @@ def _serve_parser(subparsers) -> None:
                    help="persistent XLA compilation cache folder ('' or 'off' to disable)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of random weights for presets")
     p.add_argument("--trace-steps", action="store_true", help="log every step's plan (ITL_STEP lines)")
+    p.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="seconds in-flight requests may run on after SIGTERM/SIGINT; then they end with finish_reason"
+                        " 'abort' (0: at once)")  # fmt: skip
     p.set_defaults(handler=run_serve)
 
 
@@ -113,6 +116,8 @@ def validate_serve(args):
         raise FlagError(f"--default-chat-max-tokens must be >= 1, got {args.default_chat_max_tokens}")
     if args.api_key is not None and not args.api_key.strip():
         raise FlagError("--api-key must not be empty")
+    if not args.shutdown_timeout >= 0:  # NaN too
+        raise FlagError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise FlagError("--served-model-name must not be empty")
     cfg = model_config(args.model)
@@ -216,7 +221,8 @@ def _serve_on(sock, args, config, cfg) -> None:
 
     engine.start()
     try:
-        http.UvicornServer(app, on_started=announce).run(sockets=[sock])
+        http.UvicornServer(app, on_started=announce, drain_seconds=args.shutdown_timeout,
+                           on_drain_timeout=engine.shutdown).run(sockets=[sock])  # fmt: skip
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl+C it caught
         pass
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable
 
 import uvicorn
@@ -28,14 +29,39 @@ def listen_url(sock: socket.socket) -> str:
 
 
 class UvicornServer(uvicorn.Server):
-    """uvicorn, quiet, calling `on_started` once the socket accepts connections."""
+    """uvicorn, quiet, calling `on_started` once the socket accepts connections.
 
-    def __init__(self, app, on_started: Callable[[], None] | None = None, **config):
-        config = {"log_level": "warning", "access_log": False, "timeout_graceful_shutdown": 5} | config
+    On shutdown (SIGTERM, SIGINT) it stops accepting connections at once and lets requests in flight run on for
+    `drain_seconds`; then it calls `on_drain_timeout` (the engine's shutdown, which ends every request with
+    finish_reason "abort"), so that each stream still gets its last chunk and `[DONE]` before the process exits.
+    """
+
+    # After the drain, the seconds uvicorn waits for the connections to write their last chunks.
+    FINAL_WRITE_SECONDS = 5.0
+
+    def __init__(self, app, on_started: Callable[[], None] | None = None, drain_seconds: float = 0.0,
+                 on_drain_timeout: Callable[[], None] | None = None, **config):  # fmt: skip
+        timeout = drain_seconds + self.FINAL_WRITE_SECONDS
+        config = {"log_level": "warning", "access_log": False, "timeout_graceful_shutdown": timeout} | config
         super().__init__(uvicorn.Config(app, **config))
         self.on_started = on_started
+        self.drain_seconds = drain_seconds
+        self.on_drain_timeout = on_drain_timeout
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started and self.on_started is not None:
             self.on_started()
+
+    async def shutdown(self, sockets=None) -> None:
+        # A thread, not a task: the engine's shutdown joins the engine thread.
+        timer = None
+        if self.on_drain_timeout is not None:
+            timer = threading.Timer(self.drain_seconds, self.on_drain_timeout)
+            timer.daemon = True
+            timer.start()
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()

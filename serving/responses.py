@@ -109,14 +109,15 @@ class ResponseBuilder:
             async for output in submission.outputs():
                 last = output
                 error = finish_error(output)
-                if error is not None:
+                if error is not None and output.finish_reason != "abort":
                     yield sse(error.body())
                     break
+                # An aborted stream (server shutdown) still ends with a chunk that carries its finish reason.
                 # One chunk per token, even when its text is empty (it ends inside a multi-byte character), so
                 # that clients can time every token.
                 yield sse(head | {"choices": [self._stream_choice(prepared, output, chat, offset)]} | usage_field)
                 offset += len(output.text)
-            if prepared.include_usage and last is not None and last.finish_reason in ("stop", "length"):
+            if prepared.include_usage and last is not None and last.finish_reason in ("stop", "length", "abort"):
                 yield sse(head | {"choices": [], "usage": usage(last)})
             yield sse("[DONE]")
         except APIError as error:

@@ -5,6 +5,7 @@ usage, metrics, the queue limit, client disconnects, and the `serve` command lin
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -328,6 +329,7 @@ def no_weight_loads(monkeypatch):
         (["--port", "70000"], "--port"),
         (["--max-queue", "-1"], "--max-queue"),
         (["--api-key", ""], "--api-key"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
         (["--model", "/no/such/folder"], "--model"),
     ],
 )
@@ -374,3 +376,65 @@ def test_serve_command_starts_announces_and_serves(live_server, tmp_path):
     progress = stderr.read_text()
     assert "loading weights" in progress and "compiling step programs" in progress
     assert process.stdout.read() == "", "start-up must print exactly one line to stdout"
+
+
+def start_serve(compile_cache: str, tmp_path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`qwen35-jax serve` on the tiny model in a subprocess (the live server's programs, so its cache is warm);
+    returns the process and its root URL."""
+    command = [sys.executable, "-m", "qwen35_jax.cli", "serve", "--model", "tiny", "--dtype", "float32",
+               "--port", "0", "--max-batch", "4", "--max-prefill-tokens", "16", "--max-model-len", "128",
+               "--compile-cache", compile_cache, *flags]  # fmt: skip
+    stderr = (tmp_path / "stderr.txt").open("w")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=os.environ)
+    line = process.stdout.readline()
+    assert " on http://" in line, (line, (tmp_path / "stderr.txt").read_text())
+    return process, line.split(" on ")[1].split()[0]
+
+
+async def stream_to_the_end(client: httpx.AsyncClient, url: str, first: asyncio.Event, max_tokens: int) -> dict:
+    """One streamed completion; the finish reason of its last chunk and whether `[DONE]` came."""
+    body = {"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0.0}  # fmt: skip
+    seen = {"finish_reason": None, "done": False, "chunks": 0}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                seen["done"] = True
+                continue
+            chunk = json.loads(data)
+            assert "error" not in chunk, chunk
+            seen["chunks"] += 1
+            seen["finish_reason"] = chunk["choices"][0]["finish_reason"] or seen["finish_reason"]
+            first.set()
+    return seen
+
+
+@pytest.mark.parametrize("shutdown_timeout, finish_reasons", [("0", {"abort"}), ("60", {"length"})],
+                         ids=["abort-at-once", "drain"])  # fmt: skip
+def test_sigterm_ends_every_stream_with_a_finish_reason(live_server, tmp_path, shutdown_timeout, finish_reasons):
+    """SIGTERM with 8 streams in flight (4 running, 4 queued): with --shutdown-timeout 0 each ends at once with
+    finish_reason "abort", with 60 each runs to its length; every one gets `[DONE]` and the process exits."""
+    process, url = start_serve(live_server.compile_cache, tmp_path, "--shutdown-timeout", shutdown_timeout)
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            first = asyncio.Event()  # set by whichever stream the engine admitted first
+            streams = [asyncio.create_task(stream_to_the_end(client, url, first, 100)) for _ in range(8)]
+            await asyncio.wait_for(first.wait(), 60)
+            process.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*streams)
+
+    try:
+        results = asyncio.run(run())
+        # A hang guard, not a timing check: the drain case ends when its streams do. uvicorn re-raises the
+        # SIGTERM it handled once it has shut down, so the process ends by that signal.
+        assert process.wait(timeout=float(shutdown_timeout) + 60) in (0, -signal.SIGTERM)
+    finally:
+        process.kill()
+    assert all(r["done"] for r in results), results
+    assert {r["finish_reason"] for r in results} == finish_reasons, results
+    # A chunk per token, the last carrying the finish reason: the drained streams got all 100 tokens.
+    assert all((r["chunks"] >= 100) == (finish_reasons == {"length"}) for r in results), results
