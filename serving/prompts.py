@@ -60,7 +60,7 @@ class RequestPreparer:
 
     # ---- checks ------------------------------------------------------------------------------------------
     def check_request(self, request: api.SamplingFields) -> None:
-        if request.model != self.config.served_model_name:
+        if request.model is not None and request.model != self.config.served_model_name:
             raise APIError(404, f"model {request.model!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", "model", "model_not_found")  # fmt: skip
         problems = api.unsupported_params(request)

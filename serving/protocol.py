@@ -46,7 +46,7 @@ StopStrings = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHAR
 class SamplingFields(_Strict):
     """What completions and chat completions share."""
 
-    model: str
+    model: str | None = None  # omitted: the served model, as vLLM takes it
     max_tokens: Annotated[Int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

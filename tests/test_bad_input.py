@@ -47,7 +47,7 @@ CASES = [
     ("temperature-string", "POST", COMPLETIONS, completion(temperature="hot"), {}, 400),
     ("stream-not-bool", "POST", COMPLETIONS, completion(stream="yes"), {}, 400),
     ("missing-prompt", "POST", COMPLETIONS, completion(prompt=...), {}, 400),
-    ("missing-model", "POST", COMPLETIONS, completion(model=...), {}, 400),
+    ("model-null-is-not-a-name", "POST", COMPLETIONS, completion(model=5), {}, 400),
     ("missing-messages", "POST", CHAT, chat(messages=...), {}, 400),
     ("max-tokens-zero", "POST", COMPLETIONS, completion(max_tokens=0), {}, 400),
     ("max-tokens-negative", "POST", COMPLETIONS, completion(max_tokens=-5), {}, 400),
@@ -184,6 +184,14 @@ def test_accepted_harmless_and_neutral_params(idle_server, http):
                           {"role": "assistant", "content": "yo", "refusal": None, "annotations": []},
                           {"role": "user", "content": "again"}])  # fmt: skip
     assert send(http, idle_server, "POST", CHAT, body, {}).status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [(COMPLETIONS, completion(model=...)), (CHAT, chat(model=...))],
+                         ids=["completions", "chat"])  # fmt: skip
+def test_an_omitted_model_means_the_served_one(idle_server, http, path, body):
+    response = send(http, idle_server, "POST", path, body, {})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL
 
 
 def test_pools_are_full_after_the_matrix(idle_server):
