@@ -33,7 +33,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 # Parameters that take one of several shapes: pydantic reports one error per shape, this says it once.
 SHAPES = {
-    "prompt": "must be a string, a non-empty list of token ids (integers), or a list holding one of those",
+    "prompt": "must be a string, a non-empty list of token ids (integers), or a batch: a list of strings or a list of token-id lists",
     "stop": "must be a non-empty string or a list of at most 16 non-empty strings",
     "content": "must be a string or a list of {'type': 'text', 'text': ...} parts",
 }

@@ -31,10 +31,16 @@ class Prepared:
     once the request runs.
     """
 
-    request_id: str
+    request_id: str  # the engine's id of this choice
     prompt_ids: list[int]
     params: GenerationParams
     include_usage: bool  # the client asked for a usage chunk at the end of the stream
+    response_id: str = ""  # the id of the answer its choices share ("": request_id)
+    index: int = 0  # the choice's index in the answer: prompt * n + sample
+    sample: int = 0  # which of the n samples of its prompt (the prompt's tokens count once, with sample 0)
+
+    def __post_init__(self):
+        self.response_id = self.response_id or self.request_id
 
 
 class RequestPreparer:
@@ -43,20 +49,43 @@ class RequestPreparer:
     def __init__(self, engine, tokenizer, config: ServerConfig):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
 
-    async def completion(self, request: api.CompletionRequest) -> Prepared:
+    async def completion(self, request: api.CompletionRequest) -> list[Prepared]:
+        """One `Prepared` per choice: each prompt of a batch, n times."""
         self.check_request(request)
-        ids = await self.completion_prompt(request)
-        params = self.generation_params(request, len(ids), request.max_tokens,
-                                        self.config.default_completion_max_tokens, request.logprobs)  # fmt: skip
-        return Prepared(f"cmpl-{uuid.uuid4().hex}", ids, params, _include_usage(request))
+        prompts = await self.completion_prompts(request)
+        params = [self.generation_params(request, len(ids), request.max_tokens,
+                                         self.config.default_completion_max_tokens, request.logprobs)
+                  for ids in prompts]  # fmt: skip
+        return self._choices(f"cmpl-{uuid.uuid4().hex}", request, prompts, params)
 
-    async def chat(self, request: api.ChatCompletionRequest) -> Prepared:
+    async def chat(self, request: api.ChatCompletionRequest) -> list[Prepared]:
         self.check_request(request)
         ids = await self.chat_prompt(request)
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.generation_params(request, len(ids), max_tokens, self.config.default_chat_max_tokens, logprobs)
-        return Prepared(f"chatcmpl-{uuid.uuid4().hex}", ids, params, _include_usage(request))
+        return self._choices(f"chatcmpl-{uuid.uuid4().hex}", request, [ids], [params])
+
+    def _choices(self, response_id: str, request: api.SamplingFields, prompts: list[list[int]],
+                 params: list[GenerationParams]) -> list[Prepared]:  # fmt: skip
+        """Choice `prompt * n + sample`. A seeded request's samples take the seeds seed, seed + 1, ... (as 64-bit
+        integers), so that they differ from each other and each repeats."""
+        n = request.n or 1
+        choices = []
+        for p, (ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+            for sample in range(n):
+                index = p * n + sample
+                choice_params = prompt_params
+                if sample:
+                    sampling = prompt_params.sampling
+                    seed = secrets.randbits(63) if request.seed is None else _wrap_int64(request.seed + sample)
+                    choice_params = dataclasses.replace(
+                        prompt_params, sampling=dataclasses.replace(sampling, seed=seed)
+                    )
+                request_id = response_id if len(prompts) * n == 1 else f"{response_id}-{index}"
+                choices.append(Prepared(request_id, ids, choice_params, _include_usage(request), response_id, index,
+                                        sample))  # fmt: skip
+        return choices
 
     # ---- checks ------------------------------------------------------------------------------------------
     def check_request(self, request: api.SamplingFields) -> None:
@@ -88,20 +117,23 @@ class RequestPreparer:
                                 "list of token ids to /v1/completions", param)  # fmt: skip
 
     # ---- prompts -----------------------------------------------------------------------------------------
-    async def completion_prompt(self, request: api.CompletionRequest) -> list[int]:
+    async def completion_prompts(self, request: api.CompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt: a string, a list of ids, or a batch (a list of either)."""
         prompt = request.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, f"one prompt per request is supported, got {len(prompt)}", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            ids = list(prompt)
-        else:
-            self._need_tokenizer("prompt")
-            _require_unicode(prompt, "prompt")
-            ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
-        self.check_prompt(ids, "prompt")
-        return ids
+        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        if not batch:
+            raise APIError(400, "the prompt list is empty", "prompt")
+        prompts = []
+        for one in batch:
+            if isinstance(one, list):
+                ids = list(one)
+            else:
+                self._need_tokenizer("prompt")
+                _require_unicode(one, "prompt")
+                ids = await asyncio.to_thread(self.tokenizer.encode, one)
+            self.check_prompt(ids, "prompt")
+            prompts.append(ids)
+        return prompts
 
     async def chat_prompt(self, request: api.ChatCompletionRequest) -> list[int]:
         self._need_tokenizer("messages")
@@ -152,6 +184,10 @@ class RequestPreparer:
             min_p=request.min_p or 0.0,
             seed=secrets.randbits(63) if request.seed is None else request.seed,
         )  # fmt: skip
+
+
+def _wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def _include_usage(request: api.SamplingFields) -> bool:

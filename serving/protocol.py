@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 128  # n at most; a request's choices also count against the queue (HTTP 429 past it)
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as vLLM takes it
 
 
@@ -59,8 +60,8 @@ class SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] | None = None
     # Accepted only at their neutral values (see `unsupported_params`).
-    n: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -74,8 +75,6 @@ class SamplingFields(_Strict):
 
 def _neutral_problems(request: SamplingFields) -> list[tuple[str, str]]:
     problems = []
-    if request.n not in (None, 1):
-        problems.append(("n", f"n={request.n} is not supported: only one choice per request (n=1)"))
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(request, name)
         if value is not None and value != 0:

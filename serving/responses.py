@@ -1,8 +1,9 @@
-"""The answer to one request, built from its engine outputs: one JSON body, or SSE chunks ending in
-`data: [DONE]`; with usage, logprobs, and the error of a request that the engine failed or aborted."""
+"""The answer to one request, built from the engine outputs of its choices: one JSON body, or SSE chunks ending
+in `data: [DONE]`; with usage, logprobs, and the error of a request that the engine failed or aborted."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -15,11 +16,6 @@ from qwen35_jax.serving.submission import Submission
 
 # A streamed chat answer opens with the assistant's role and no text, as OpenAI's does.
 FIRST_CHAT_CHOICE = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-
-
-def usage(output: RequestOutput) -> dict:
-    return {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": output.num_output_tokens,
-            "total_tokens": output.num_prompt_tokens + output.num_output_tokens}  # fmt: skip
 
 
 def finish_error(output: RequestOutput) -> APIError | None:
@@ -67,70 +63,111 @@ class Collected:
         return collected
 
 
+def usage(choices: list[tuple[Prepared, RequestOutput]]) -> dict:
+    """The answer's usage: each prompt's tokens once (not once per sample), and every choice's output tokens."""
+    prompt = sum(last.num_prompt_tokens for prepared, last in choices if prepared.sample == 0)
+    completion = sum(last.num_output_tokens for _, last in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 class ResponseBuilder:
-    """The response bodies of one served model, in the OpenAI shapes of protocol.py."""
+    """The response bodies of one served model, in the OpenAI shapes of protocol.py. An answer has one choice per
+    submission (each prompt of a batch, n times), in the order of their indices."""
 
     def __init__(self, model_name: str, logprobs: LogprobFormatter):
         self.model_name = model_name
         self.logprobs = logprobs
 
-    async def completion(self, submission: Submission) -> dict:
-        collected = await Collected.gather(submission)
+    async def completion(self, submissions: list[Submission]) -> dict:
+        return await self._answer(submissions, "text_completion", self._completion_choice)
+
+    async def chat(self, submissions: list[Submission]) -> dict:
+        return await self._answer(submissions, "chat.completion", self._chat_choice)
+
+    async def _answer(self, submissions: list[Submission], kind: str, build_choice) -> dict:
+        gathered = await asyncio.gather(*(Collected.gather(s) for s in submissions))
+        choices = [build_choice(s.prepared, collected) for s, collected in zip(submissions, gathered, strict=True)]
+        finished = [(s.prepared, collected.last) for s, collected in zip(submissions, gathered, strict=True)]
+        return {"id": submissions[0].prepared.response_id, "object": kind, "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": usage(finished)}  # fmt: skip
+
+    def _completion_choice(self, prepared: Prepared, collected: Collected) -> dict:
         logprobs = None
-        if submission.prepared.params.logprobs is not None:
+        if prepared.params.logprobs is not None:
             logprobs = self.logprobs.completion(collected.logprobs, collected.logprob_texts, 0)
-        choice = {"index": 0, "text": "".join(collected.text), "logprobs": logprobs,
-                  "finish_reason": collected.last.finish_reason}  # fmt: skip
-        return self._body(submission.prepared, "text_completion", choice, collected.last)
+        return {"index": prepared.index, "text": "".join(collected.text), "logprobs": logprobs,
+                "finish_reason": collected.last.finish_reason}  # fmt: skip
 
-    async def chat(self, submission: Submission) -> dict:
-        collected = await Collected.gather(submission)
+    def _chat_choice(self, prepared: Prepared, collected: Collected) -> dict:
         logprobs = None
-        if submission.prepared.params.logprobs is not None:
+        if prepared.params.logprobs is not None:
             logprobs = self.logprobs.chat(collected.logprobs)
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(collected.text)},
-                  "logprobs": logprobs, "finish_reason": collected.last.finish_reason}  # fmt: skip
-        return self._body(submission.prepared, "chat.completion", choice, collected.last)
+        return {"index": prepared.index, "message": {"role": "assistant", "content": "".join(collected.text)},
+                "logprobs": logprobs, "finish_reason": collected.last.finish_reason}  # fmt: skip
 
-    def _body(self, prepared: Prepared, kind: str, choice: dict, last: RequestOutput) -> dict:
-        return {"id": prepared.request_id, "object": kind, "created": int(time.time()), "model": self.model_name,
-                "choices": [choice], "usage": usage(last)}  # fmt: skip
-
-    async def stream(self, submission: Submission, chat: bool) -> AsyncIterator[str]:
-        """SSE chunks of one request; `close` (in finally) aborts it if the client went away first."""
-        prepared = submission.prepared
-        head = {"id": prepared.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+    async def stream(self, submissions: list[Submission], chat: bool) -> AsyncIterator[str]:
+        """SSE chunks of every choice, as each choice's outputs come, then the usage chunk if asked and
+        `[DONE]`. `close` (in finally) aborts the choices still running if the client went away first."""
+        first = submissions[0].prepared
+        head = {"id": first.response_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}  # fmt: skip
-        usage_field = {"usage": None} if prepared.include_usage else {}
+        usage_field = {"usage": None} if first.include_usage else {}
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._choice_chunks(s, chat, queue)) for s in submissions]
+        finished, failed = [], None
+        try:
+            while len(finished) < len(submissions) and failed is None:
+                kind, item = await queue.get()
+                if kind == "chunk":
+                    yield sse(head | {"choices": [item]} | usage_field)
+                elif kind == "error":
+                    failed = item
+                else:
+                    finished.append(item)
+            if failed is not None:
+                yield sse(failed.body())
+            elif first.include_usage and all(last.finish_reason in ("stop", "length", "abort") for _, last in finished):
+                yield sse(head | {"choices": [], "usage": usage(finished)})
+            yield sse("[DONE]")
+        finally:
+            for task in tasks:
+                task.cancel()
+            for submission in submissions:
+                submission.close()
+
+    async def _choice_chunks(self, submission: Submission, chat: bool, queue: asyncio.Queue) -> None:
+        """One choice's chunks onto `queue`: ("chunk", choice), then ("done", (prepared, last output)), or
+        ("error", APIError) for a choice the engine failed."""
+        prepared = submission.prepared
         offset, last = 0, None
         try:
             if chat:
-                yield sse(head | {"choices": [FIRST_CHAT_CHOICE]} | usage_field)
+                queue.put_nowait(("chunk", FIRST_CHAT_CHOICE | {"index": prepared.index}))
             async for output in submission.outputs():
                 last = output
                 error = finish_error(output)
                 if error is not None and output.finish_reason != "abort":
-                    yield sse(error.body())
-                    break
+                    raise error
                 # An aborted stream (server shutdown) still ends with a chunk that carries its finish reason.
                 # One chunk per token, even when its text is empty (it ends inside a multi-byte character), so
                 # that clients can time every token.
-                yield sse(head | {"choices": [self._stream_choice(prepared, output, chat, offset)]} | usage_field)
+                queue.put_nowait(("chunk", self._stream_choice(prepared, output, chat, offset)))
                 offset += len(output.text)
-            if prepared.include_usage and last is not None and last.finish_reason in ("stop", "length", "abort"):
-                yield sse(head | {"choices": [], "usage": usage(last)})
-            yield sse("[DONE]")
+            queue.put_nowait(("done", (prepared, last)))
         except APIError as error:
-            yield sse(error.body())
-            yield sse("[DONE]")
-        finally:
-            submission.close()
+            queue.put_nowait(("error", error))
 
     def _stream_choice(self, prepared: Prepared, output: RequestOutput, chat: bool, offset: int) -> dict:
         with_logprobs = prepared.params.logprobs is not None and bool(output.logprobs)
         if chat:
             logprobs = self.logprobs.chat(output.logprobs) if with_logprobs else None
             delta = {"content": output.text} if output.text or output.finish_reason is None else {}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": output.finish_reason}
+            return {
+                "index": prepared.index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": output.finish_reason,
+            }
         logprobs = self.logprobs.completion(output.logprobs, texts_per_token(output), offset) if with_logprobs else None
-        return {"index": 0, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}
+        return {"index": prepared.index, "text": output.text, "logprobs": logprobs,
+                "finish_reason": output.finish_reason}  # fmt: skip

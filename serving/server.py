@@ -60,17 +60,17 @@ class OpenAIServer:
         self.preparer = RequestPreparer(engine, tokenizer, config)
         self.responses = ResponseBuilder(config.served_model_name, LogprobFormatter(tokenizer))
 
-    def check_room(self) -> None:
+    def check_room(self, num_choices: int = 1) -> None:
         if self.max_queue is None:
             return
         capacity = self.engine.scheduler.config.max_batch + self.max_queue
-        if self.num_active >= capacity:
-            raise APIError(429, f"the server is full: {self.num_active} requests in progress (--max-batch + "
-                                f"--max-queue = {capacity}); retry later", None, "queue_full")  # fmt: skip
+        if self.num_active + num_choices > capacity:
+            raise APIError(429, f"the server is full: {self.num_active} requests in progress and {num_choices} more "
+                                f"asked for (--max-batch + --max-queue = {capacity}); retry later", None,
+                           "queue_full")  # fmt: skip
 
     def submit(self, prepared: Prepared, http_request: HTTPRequest) -> Submission:
-        """Hands the request to the engine; the submission counts as in progress until it is closed."""
-        self.check_room()
+        """Hands one choice to the engine; the submission counts as in progress until it is closed."""
         submission = Submission(self.engine, prepared, self.metrics.timer(), self._release)
         self.num_active += 1
         self.metrics.requests_active.inc()
@@ -84,19 +84,33 @@ class OpenAIServer:
         submission.watch(http_request.receive)
         return submission
 
+    def submit_all(self, choices: list[Prepared], http_request: HTTPRequest) -> list[Submission]:
+        """Every choice of one answer, or none: a failed submit aborts the ones already in."""
+        self.check_room(len(choices))
+        submissions = []
+        try:
+            for prepared in choices:
+                submissions.append(self.submit(prepared, http_request))
+        except BaseException:
+            for submission in submissions:
+                submission.close()
+            raise
+        return submissions
+
     def _release(self) -> None:
         self.num_active -= 1
         self.metrics.requests_active.dec()
 
-    async def answer(self, prepared: Prepared, http_request: HTTPRequest, streaming: bool, chat: bool) -> Response:
-        submission = self.submit(prepared, http_request)
+    async def answer(self, choices: list[Prepared], http_request: HTTPRequest, streaming: bool, chat: bool) -> Response:
+        submissions = self.submit_all(choices, http_request)
         if streaming:
-            return StreamingResponse(self.responses.stream(submission, chat), media_type="text/event-stream",
+            return StreamingResponse(self.responses.stream(submissions, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         try:
-            body = await (self.responses.chat if chat else self.responses.completion)(submission)
+            body = await (self.responses.chat if chat else self.responses.completion)(submissions)
         finally:
-            submission.close()
+            for submission in submissions:
+                submission.close()
         return JSONResponse(body)
 
     def error_response(self, status: int, message: str, param: str | None = None, code: str | None = None):

@@ -136,6 +136,53 @@ def test_raw_stream_ends_with_done(idle_server):
     assert events[-1] == "data: [DONE]"
 
 
+# ---- several choices: batch prompts and n --------------------------------------------------------------
+
+
+def test_a_batch_of_prompts_gets_one_choice_each(idle_server):
+    """A batch of id lists and one of strings; each choice equals its prompt sent alone (greedy)."""
+    client = idle_server.client()
+    fields = dict(max_tokens=5, extra_body={"ignore_eos": True})
+    for prompts in ([PROMPT_IDS, [5, 6, 7, 8, 9], [300, 2]], ["Hello there", "Once upon a time", "x"]):
+        batch = greedy(client, prompt=prompts, **fields)
+        alone = [greedy(client, prompt=[p] if isinstance(p, list) else p, **fields) for p in prompts]
+        assert [c.index for c in batch.choices] == [0, 1, 2]
+        assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+        assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert batch.usage.completion_tokens == 15
+
+
+def test_n_seeded_samples_are_the_seeds_seed_plus_index(idle_server):
+    """Choice i of a seeded n-sample request is the n=1 request with seed + i: the host-side reference of what
+    each choice must be. The prompt's tokens count once in the usage."""
+    client = idle_server.client()
+    fields = dict(prompt=PROMPT_IDS, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    many = greedy(client, n=3, seed=41, logprobs=1, **fields)
+    assert [c.index for c in many.choices] == [0, 1, 2] and len({c.text for c in many.choices}) == 3
+    for i, choice in enumerate(many.choices):
+        one = greedy(client, n=1, seed=41 + i, logprobs=1, **fields).choices[0]
+        assert choice.text == one.text and choice.logprobs.tokens == one.logprobs.tokens
+        # fp32 products over 3 rows against 1 differ in their last bits
+        assert choice.logprobs.token_logprobs == pytest.approx(one.logprobs.token_logprobs, abs=1e-4)
+    assert many.usage.prompt_tokens == len(PROMPT_IDS) and many.usage.completion_tokens == 36
+
+
+def test_streamed_n_chat_and_batch_completions_end_every_choice(idle_server):
+    client = idle_server.client()
+    chunks = list(client.chat.completions.create(model=idle_server.model_name, messages=MESSAGES, n=2, max_tokens=6,
+                                                 seed=9, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))  # fmt: skip
+    plain = client.chat.completions.create(model=idle_server.model_name, messages=MESSAGES, n=2, max_tokens=6, seed=9,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+    for choice in plain.choices:
+        deltas = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert deltas[0].delta.role == "assistant" and deltas[-1].finish_reason == "length"
+        assert "".join(d.delta.content or "" for d in deltas) == choice.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    batch = list(greedy(client, prompt=[PROMPT_IDS, [5, 6, 7]], max_tokens=4, stream=True))
+    assert sorted(c.choices[0].index for c in batch if c.choices[0].finish_reason) == [0, 1]
+
+
 # ---- chat -----------------------------------------------------------------------------------------------
 
 
