@@ -66,6 +66,10 @@ def _serve_parser(subparsers) -> None:
                    help="persistent XLA compilation cache folder ('' or 'off' to disable)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of random weights for presets")
     p.add_argument("--trace-steps", action="store_true", help="log every step's plan (ITL_STEP lines)")
+    p.add_argument("--reasoning-parser", default="qwen3",
+                   help="qwen3: chat answers' <think> blocks go to reasoning_content; none: left in the content")  # fmt: skip
+    p.add_argument("--tool-call-parser", default="qwen3_coder",
+                   help="qwen3_coder: chat answers' <tool_call> blocks become tool_calls; none: left in the content")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="seconds in-flight requests may run on after SIGTERM/SIGINT; then they end with finish_reason"
                         " 'abort' (0: at once)")  # fmt: skip
@@ -116,6 +120,12 @@ def validate_serve(args):
         raise FlagError(f"--default-chat-max-tokens must be >= 1, got {args.default_chat_max_tokens}")
     if args.api_key is not None and not args.api_key.strip():
         raise FlagError("--api-key must not be empty")
+    from qwen35_jax.serving.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+    if args.reasoning_parser not in REASONING_PARSERS:
+        raise FlagError(f"--reasoning-parser must be {'|'.join(REASONING_PARSERS)}, got {args.reasoning_parser!r}")
+    if args.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise FlagError(f"--tool-call-parser must be {'|'.join(TOOL_CALL_PARSERS)}, got {args.tool_call_parser!r}")
     if not args.shutdown_timeout >= 0:  # NaN too
         raise FlagError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -211,7 +221,8 @@ def _serve_on(sock, args, config, cfg) -> None:
     server_config = http.ServerConfig(
         served_model_name=name, max_model_len=config.max_model_len, vocab_size=cfg.vocab_size, api_key=args.api_key,
         max_queue=args.max_queue, default_chat_max_tokens=args.default_chat_max_tokens,
-        max_logprobs=config.num_top_logprobs,
+        max_logprobs=config.num_top_logprobs, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )  # fmt: skip
     app = http.create_app(http.OpenAIServer(engine, model.tokenizer, server_config))
     url = http.listen_url(sock)

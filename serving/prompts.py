@@ -17,8 +17,11 @@ from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.serving import protocol as api
 from qwen35_jax.serving.engine import GenerationParams
 from qwen35_jax.serving.errors import APIError
+from qwen35_jax.serving.parsers import THINK_END, THINK_START, TOOL_START, OutputParser
 from qwen35_jax.serving.scheduler import RequestRejected
 from qwen35_jax.serving.server_config import ServerConfig
+
+ASSISTANT_TURN = "<|im_start|>assistant"  # where the answer starts in a Qwen chat prompt
 
 
 @dataclasses.dataclass
@@ -39,8 +42,23 @@ class Prepared:
     index: int = 0  # the choice's index in the answer: prompt * n + sample
     sample: int = 0  # which of the n samples of its prompt (the prompt's tokens count once, with sample 0)
 
+    output_format: OutputFormat | None = None  # chat: how its text splits into reasoning, content and tool calls
+
     def __post_init__(self):
         self.response_id = self.response_id or self.request_id
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputFormat:
+    """What the chat answer's parser must know from the prompt (serving/parsers.py)."""
+
+    reasoning: bool  # split out <think> blocks
+    tools: dict[str, dict] | None  # the request's functions by name, when tool calls are parsed
+    in_reasoning: bool = False  # the prompt ends inside <think>
+    prefix: str = ""  # the start of the answer that the prompt already holds (a forced tool call)
+
+    def parser(self) -> OutputParser:
+        return OutputParser(self.reasoning, self.tools, self.in_reasoning, self.prefix)
 
 
 class RequestPreparer:
@@ -60,11 +78,12 @@ class RequestPreparer:
 
     async def chat(self, request: api.ChatCompletionRequest) -> list[Prepared]:
         self.check_request(request)
-        ids = await self.chat_prompt(request)
+        ids, output_format = await self.chat_prompt(request)
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.generation_params(request, len(ids), max_tokens, self.config.default_chat_max_tokens, logprobs)
-        return self._choices(f"chatcmpl-{uuid.uuid4().hex}", request, [ids], [params])
+        choices = self._choices(f"chatcmpl-{uuid.uuid4().hex}", request, [ids], [params])
+        return [dataclasses.replace(choice, output_format=output_format) for choice in choices]
 
     def _choices(self, response_id: str, request: api.SamplingFields, prompts: list[list[int]],
                  params: list[GenerationParams]) -> list[Prepared]:  # fmt: skip
@@ -135,19 +154,36 @@ class RequestPreparer:
             prompts.append(ids)
         return prompts
 
-    async def chat_prompt(self, request: api.ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, request: api.ChatCompletionRequest) -> tuple[list[int], OutputFormat]:
+        """The prompt's ids, rendered by the checkpoint's chat template with the request's tools, and the format
+        its answer is parsed with. tool_choice "none" renders no tools; "required" or a named function puts the
+        start of a `<tool_call>` block at the head of the answer."""
         self._need_tokenizer("messages")
         messages = [m.for_template() for m in request.messages]
         kwargs = request.chat_template_kwargs or {}
         reserved = {"messages", "add_generation_prompt", "tools"} & kwargs.keys()
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+        tools = request.tools if request.tools and request.tool_choice != "none" else None
+        rendered = None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
         try:
-            ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True, **kwargs)
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, rendered, **kwargs)
         except Exception as err:  # the template runs on client data: whatever it raises is the client's
             raise APIError(400, f"messages: {err}", "messages") from None
+        tail = text[text.rfind(ASSISTANT_TURN) :]
+        in_reasoning = tail.rfind(THINK_START) > tail.rfind(THINK_END)
+        prefix = _forced_tool_call(request.tool_choice) if tools is not None else ""
+        if prefix and in_reasoning:
+            prefix = "\n" + THINK_END + "\n\n" + prefix  # a forced call skips the reasoning
+        ids = await asyncio.to_thread(self.tokenizer.encode, text + prefix)
         self.check_prompt(ids, "messages")
-        return ids
+        output_format = OutputFormat(
+            reasoning=self.config.reasoning_parser != "none",
+            tools={t.function.name: t.function.model_dump() for t in tools}
+            if tools is not None and self.config.tool_call_parser != "none" else None,
+            in_reasoning=in_reasoning, prefix=prefix,
+        )  # fmt: skip
+        return ids, output_format
 
     # ---- parameters --------------------------------------------------------------------------------------
     def generation_params(self, request: api.SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
@@ -184,6 +220,13 @@ class RequestPreparer:
             min_p=request.min_p or 0.0,
             seed=secrets.randbits(63) if request.seed is None else request.seed,
         )  # fmt: skip
+
+
+def _forced_tool_call(tool_choice) -> str:
+    """The head of the answer that tool_choice forces: a `<tool_call>` block, with its function when named."""
+    if isinstance(tool_choice, api.NamedToolChoice):
+        return f"{TOOL_START}\n<function={tool_choice.function.name}>\n"
+    return f"{TOOL_START}\n<function=" if tool_choice == "required" else ""
 
 
 def _wrap_int64(value: int) -> int:

@@ -123,6 +123,28 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # e.g. OpenAI's `strict`, which changes nothing here
+
+    name: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^<>\n]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ResponseFormat(_Strict):
     type: str
 
@@ -132,8 +154,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=512)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -150,10 +172,13 @@ def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> li
         if request.suffix:
             problems.append(("suffix", "suffix is not supported"))
         return problems
-    if request.tools:
-        problems.append(("tools", "tools are not supported"))
-    if request.tool_choice not in (None, "none", "auto"):
-        problems.append(("tool_choice", "tool_choice other than 'none' or 'auto' is not supported (no tools)"))
+    if request.tool_choice not in (None, "none", "auto") and not request.tools:
+        problems.append(("tool_choice", "tool_choice 'required' or a named function needs tools"))
+    if isinstance(request.tool_choice, NamedToolChoice) and request.tools:
+        names = {tool.function.name for tool in request.tools}
+        if request.tool_choice.function.name not in names:
+            problems.append(("tool_choice", f"tool_choice names {request.tool_choice.function.name!r}, which is not "
+                                            f"in tools ({', '.join(sorted(names))})"))  # fmt: skip
     if request.response_format is not None and request.response_format.type != "text":
         problems.append(("response_format", f"response_format type {request.response_format.type!r} is not supported"))
     if request.top_logprobs is not None and not request.logprobs:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from qwen35_jax.serving.engine import RequestOutput, TokenLogprob
 from qwen35_jax.serving.errors import APIError
 from qwen35_jax.serving.logprobs import LogprobFormatter
+from qwen35_jax.serving.parsers import OutputParser
 from qwen35_jax.serving.prompts import Prepared
 from qwen35_jax.serving.submission import Submission
 
@@ -102,8 +103,20 @@ class ResponseBuilder:
         logprobs = None
         if prepared.params.logprobs is not None:
             logprobs = self.logprobs.chat(collected.logprobs)
-        return {"index": prepared.index, "message": {"role": "assistant", "content": "".join(collected.text)},
-                "logprobs": logprobs, "finish_reason": collected.last.finish_reason}  # fmt: skip
+        text = "".join(collected.text)
+        message, calls = {"role": "assistant", "content": text}, []
+        if prepared.output_format is not None:
+            parser = prepared.output_format.parser()
+            parsed = parser.push(text)
+            parsed += parser.finish()
+            calls = parsed.tool_calls
+            message["content"] = (parsed.content.strip() or None) if calls else parsed.content
+            if parsed.reasoning:
+                message["reasoning_content"] = parsed.reasoning.strip("\n")
+            if calls:
+                message["tool_calls"] = [call.as_dict() for call in calls]
+        return {"index": prepared.index, "message": message, "logprobs": logprobs,
+                "finish_reason": _finish_reason(collected.last.finish_reason, bool(calls))}  # fmt: skip
 
     async def stream(self, submissions: list[Submission], chat: bool) -> AsyncIterator[str]:
         """SSE chunks of every choice, as each choice's outputs come, then the usage chunk if asked and
@@ -140,6 +153,7 @@ class ResponseBuilder:
         ("error", APIError) for a choice the engine failed."""
         prepared = submission.prepared
         offset, last = 0, None
+        parser = prepared.output_format.parser() if chat and prepared.output_format is not None else None
         try:
             if chat:
                 queue.put_nowait(("chunk", FIRST_CHAT_CHOICE | {"index": prepared.index}))
@@ -151,23 +165,44 @@ class ResponseBuilder:
                 # An aborted stream (server shutdown) still ends with a chunk that carries its finish reason.
                 # One chunk per token, even when its text is empty (it ends inside a multi-byte character), so
                 # that clients can time every token.
-                queue.put_nowait(("chunk", self._stream_choice(prepared, output, chat, offset)))
+                queue.put_nowait(("chunk", self._stream_choice(prepared, output, chat, offset, parser)))
                 offset += len(output.text)
             queue.put_nowait(("done", (prepared, last)))
         except APIError as error:
             queue.put_nowait(("error", error))
 
-    def _stream_choice(self, prepared: Prepared, output: RequestOutput, chat: bool, offset: int) -> dict:
+    def _stream_choice(self, prepared: Prepared, output: RequestOutput, chat: bool, offset: int,
+                       parser: OutputParser | None = None) -> dict:  # fmt: skip
         with_logprobs = prepared.params.logprobs is not None and bool(output.logprobs)
         if chat:
             logprobs = self.logprobs.chat(output.logprobs) if with_logprobs else None
-            delta = {"content": output.text} if output.text or output.finish_reason is None else {}
-            return {
-                "index": prepared.index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": output.finish_reason,
-            }
+            if parser is None:
+                delta = {"content": output.text} if output.text or output.finish_reason is None else {}
+                finish_reason = output.finish_reason
+            else:
+                delta, finish_reason = self._parsed_delta(parser, output)
+            return {"index": prepared.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         logprobs = self.logprobs.completion(output.logprobs, texts_per_token(output), offset) if with_logprobs else None
         return {"index": prepared.index, "text": output.text, "logprobs": logprobs,
                 "finish_reason": output.finish_reason}  # fmt: skip
+
+    @staticmethod
+    def _parsed_delta(parser: OutputParser, output: RequestOutput) -> tuple[dict, str | None]:
+        """A chat delta of reasoning, content and whole tool calls, from one output's text."""
+        first_call = parser.num_calls
+        parsed = parser.push(output.text)
+        if output.finish_reason is not None:
+            parsed += parser.finish()
+        delta = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.content or (output.finish_reason is None and not delta and not parsed.tool_calls):
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            delta["tool_calls"] = [call.as_dict(first_call + k) for k, call in enumerate(parsed.tool_calls)]
+        return delta, _finish_reason(output.finish_reason, parser.num_calls > 0)
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """An answer that ends after calling tools ends with "tool_calls", as OpenAI's does."""
+    return "tool_calls" if called and reason == "stop" else reason

@@ -22,3 +22,6 @@ class ServerConfig:
     # a full-context reservation.
     default_chat_max_tokens: int = 4096
     max_logprobs: int = MAX_TOP_LOGPROBS
+    # How chat answers are parsed (serving/parsers.py): Qwen3's <think> reasoning, Qwen3-Coder's <tool_call> blocks.
+    reasoning_parser: str = "qwen3"
+    tool_call_parser: str = "qwen3_coder"

@@ -1,0 +1,158 @@
+"""Tool calls and reasoning through the HTTP server, with the official `openai` client against real uvicorn: the
+engine is a test double that answers every request with a chosen text, split into pieces the way a stream of
+tokens arrives, so that the server's rendering of tools and its parsing of the answer are what is tested."""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+
+import openai
+import pytest
+
+from qwen35_jax.serving.engine import RequestOutput
+
+MODEL = "scripted"
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                                "days": {"type": "integer"}}}}}  # fmt: skip
+CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"  # fmt: skip
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class ScriptedEngine:
+    """What the server needs of an Engine; each request gets `self.answer`, four characters per output."""
+
+    def __init__(self):
+        self.answer = ""
+        self.prompts: list[list[int]] = []
+        self.scheduler = types.SimpleNamespace(config=types.SimpleNamespace(max_batch=8))
+
+    def is_running(self) -> bool:
+        return True
+
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        pass
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def submit(self, prompt_ids, params, on_output, request_id) -> None:
+        self.prompts.append(list(prompt_ids))
+        pieces = [self.answer[i : i + 4] for i in range(0, len(self.answer), 4)]
+
+        def emit():
+            for piece in pieces:
+                on_output(RequestOutput(request_id, [0], piece, None))
+            on_output(RequestOutput(request_id, [], "", None, "stop", num_prompt_tokens=len(prompt_ids),
+                                    num_output_tokens=len(pieces)))  # fmt: skip
+
+        threading.Thread(target=emit, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    from qwen35_jax.api import TINY_ASSETS
+    from qwen35_jax.serving.server import OpenAIServer, ServerConfig, UvicornServer, bind, create_app, listen_url
+    from qwen35_jax.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(TINY_ASSETS)
+    engine = ScriptedEngine()
+    server = OpenAIServer(engine, tokenizer, ServerConfig(served_model_name=MODEL, max_model_len=4096,
+                                                          vocab_size=tokenizer.vocab_size))  # fmt: skip
+    sock = bind("127.0.0.1", 0)
+    started = threading.Event()
+    uvicorn = UvicornServer(create_app(server), on_started=started.set)
+    thread = threading.Thread(target=uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    client = openai.OpenAI(base_url=f"{listen_url(sock)}/v1", api_key="unused", max_retries=0, timeout=30)
+    yield engine, client, tokenizer
+    uvicorn.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def test_a_tool_call_is_parsed(scripted):
+    engine, client, tokenizer = scripted
+    engine.answer = f"<think>\nNeed the weather.\n</think>\n\nChecking.\n{CALL}"
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    assert choice.message.model_extra["reasoning_content"] == "Need the weather."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    prompt = tokenizer.decode(engine.prompts[-1])
+    assert '"get_weather"' in prompt and "<tools>" in prompt  # rendered by the checkpoint's template
+
+
+def test_a_streamed_tool_call_comes_whole_in_one_delta(scripted):
+    engine, client, _ = scripted
+    engine.answer = f"<think>\nNeed the weather.\n</think>\n\nChecking.\n{CALL}"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL], stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    calls = [call for d in deltas for call in d.tool_calls or []]
+    assert reasoning.strip("\n") == "Need the weather." and content.strip() == "Checking."
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 2}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_renders_no_tools_and_parses_none(scripted):
+    engine, client, tokenizer = scripted
+    engine.answer = CALL
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="none")
+    assert reply.choices[0].message.content == CALL and not reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "stop" and "<tools>" not in tokenizer.decode(engine.prompts[-1])
+
+
+@pytest.mark.parametrize("tool_choice, forced", [
+    ("required", "<tool_call>\n<function="),
+    ({"type": "function", "function": {"name": "get_weather"}}, "<tool_call>\n<function=get_weather>\n"),
+], ids=["required", "named"])  # fmt: skip
+def test_a_forced_tool_choice_opens_the_call_in_the_prompt(scripted, tool_choice, forced):
+    engine, client, tokenizer = scripted
+    engine.answer = CALL.removeprefix(forced)  # the model writes the rest of the block
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL],
+                                           tool_choice=tool_choice)  # fmt: skip
+    assert tokenizer.decode(engine.prompts[-1]).endswith("assistant\n" + forced)  # decode drops <|im_start|>
+    (call,) = reply.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert reply.choices[0].message.content is None
+
+
+def test_enable_thinking_false_reaches_the_template(scripted):
+    engine, client, tokenizer = scripted
+    engine.answer = "Plain answer."
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert tokenizer.decode(engine.prompts[-1]).endswith("<think>\n\n</think>\n\n")
+    assert reply.choices[0].message.content == "Plain answer."
+    assert "reasoning_content" not in (reply.choices[0].message.model_extra or {})
+
+
+def test_thinking_on_starts_the_answer_in_reasoning(scripted):
+    engine, client, _ = scripted
+    engine.answer = "Let me see.\n</think>\n\nHello."
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": True}})  # fmt: skip
+    message = reply.choices[0].message
+    assert message.content == "Hello." and message.model_extra["reasoning_content"] == "Let me see."
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tools=[{"type": "function", "function": {"name": "a<b"}}]), "tools"),
+    (dict(tools=[{"type": "retrieval"}]), "tools"),
+], ids=["required-without-tools", "unknown-named", "bad-name", "not-a-function"])  # fmt: skip
+def test_bad_tool_requests_get_a_400_naming_the_param(scripted, fields, param):
+    _, client, _ = scripted
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, **fields)
+    assert raised.value.body["param"].startswith(param), raised.value.body
