@@ -377,6 +377,8 @@ def no_weight_loads(monkeypatch):
         (["--max-queue", "-1"], "--max-queue"),
         (["--api-key", ""], "--api-key"),
         (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+        (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
+        (["--tool-call-parser", "hermes"], "--tool-call-parser"),
         (["--model", "/no/such/folder"], "--model"),
     ],
 )
