@@ -10,6 +10,15 @@ import dataclasses
 
 import numpy as np
 
+MAX_LOGIT_BIAS = 256  # entries per request: the sampler program takes them as fixed-size arrays
+
+
+def biased(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    out = logits.astype(np.float64).copy()
+    for token, value in params.logit_bias:
+        out[token] += value
+    return out
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -18,6 +27,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    # (token id, value) pairs added to the logits before the pick, greedy or sampled (OpenAI's logit_bias);
+    # logprobs stay those of the unbiased distribution.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -28,6 +40,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +67,7 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def sample_host(logits: np.ndarray, params: SamplingParams, step: int) -> int:
+    logits = biased(logits, params)
     if params.greedy:
         return int(np.argmax(logits))
     rng = np.random.default_rng([params.seed % 2**64, step])

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qwen35_jax.sampling import MAX_LOGIT_BIAS
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -26,6 +28,8 @@ class SamplingRows:
     seed_hi: jax.Array  # [R] uint32: the high and low words of the request's 64-bit seed (two's complement)
     seed_lo: jax.Array  # [R] uint32
     output_index: jax.Array  # [R] int32: index of the token being sampled in the request's output
+    bias_ids: jax.Array  # [R, MAX_LOGIT_BIAS] int32: logit_bias token ids (padding: token 0 with value 0)
+    bias_values: jax.Array  # [R, MAX_LOGIT_BIAS] fp32
 
     @staticmethod
     def from_rows(rows: list, pad_to: int) -> SamplingRows:
@@ -42,8 +46,20 @@ class SamplingRows:
             top_p=column("top_p", np.float32, 1.0), min_p=column("min_p", np.float32, 0.0),
             seed_hi=np.asarray([s >> 32 for s in seeds], np.uint32),
             seed_lo=np.asarray([s & 0xFFFFFFFF for s in seeds], np.uint32),
-            output_index=column("output_index", np.int32, 0),
+            output_index=column("output_index", np.int32, 0), **_bias_columns(rows, pad_to),
         )  # fmt: skip
+
+
+def _bias_columns(rows: list, pad_to: int) -> dict[str, np.ndarray]:
+    ids, values = np.zeros((pad_to, MAX_LOGIT_BIAS), np.int32), np.zeros((pad_to, MAX_LOGIT_BIAS), np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, value) in enumerate(() if row is None else getattr(row, "logit_bias", ())):
+            ids[i, j], values[i, j] = token, value
+    return {"bias_ids": ids, "bias_values": values}
+
+
+def _with_bias(logits, rows: SamplingRows):
+    return logits.at[jnp.arange(logits.shape[0])[:, None], rows.bias_ids].add(rows.bias_values)
 
 
 def _keep_mask(sorted_probs, top_k, top_p, min_p):
@@ -96,6 +112,10 @@ def top_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int):
 
 
 def resample(logits: jax.Array, rows: SamplingRows, tokens: jax.Array):
-    """The tokens of rows with temperature > 0 replaced by a draw; returns (tokens [R] int32, their logprobs)."""
-    tokens = jnp.where(rows.temperature > 0, _draw(logits, rows), tokens).astype(jnp.int32)
+    """The tokens of rows with temperature > 0 replaced by a draw, and of greedy rows with a logit_bias by the
+    biased argmax; returns (tokens [R] int32, their logprobs, of the unbiased logits)."""
+    shifted = _with_bias(logits, rows)
+    has_bias = jnp.any(rows.bias_values != 0, axis=-1)
+    greedy = jnp.where(has_bias, jnp.argmax(shifted, axis=-1), tokens)
+    tokens = jnp.where(rows.temperature > 0, _draw(shifted, rows), greedy).astype(jnp.int32)
     return tokens, _logprob_of(logits, tokens)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.serving.plan import OVERLAP_COMPLETE, OVERLAP_LAUNCH, OVERLAP_WAIT, Request, StepPlan
 from qwen35_jax.serving.runner import StepHandle
-from qwen35_jax.serving.scheduler import RequestRejected, Scheduler
+from qwen35_jax.serving.scheduler import RequestRejected, Scheduler, step_action
 from qwen35_jax.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class SamplingRow:
     seed: int
     output_index: int
     logprobs: int = 0  # top logprobs wanted (the runner computes them only for steps where a row wants some)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class Engine:
@@ -166,6 +167,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.decode and self._in_flight is not None and self._in_flight.plan.action == OVERLAP_LAUNCH:
             self._wait_for_overlap()
+            plan = self._without_retired(plan)
         launched = self._launch(plan) if plan.action != "idle" else None
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
@@ -179,6 +181,14 @@ class Engine:
         self._trace(f"ITL_STEP step={handle.plan.step_id} plan={OVERLAP_WAIT}")
         self._process(handle)
 
+    def _without_retired(self, plan: StepPlan) -> StepPlan:
+        """The plan less the chunks of requests retired since it was scheduled: a failed step, processed by the
+        wait, fails its requests, and a prompt it carried has its next chunk in this plan."""
+        prefill = tuple(chunk for chunk in plan.prefill if chunk.request_id in self.generations)
+        if len(prefill) == len(plan.prefill):
+            return plan
+        return dataclasses.replace(plan, prefill=prefill, action=step_action(plan.decode, prefill))
+
     def _trace(self, line: str) -> None:
         if self.trace_steps:
             log.info(line)
@@ -189,7 +199,8 @@ class Engine:
             gen = self.generations[row.request_id]
             s = gen.params.sampling
             index = gen.request.num_output_tokens - 1  # counted at schedule time for this step
-            rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index, gen.params.logprobs or 0))
+            rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index, gen.params.logprobs or 0,
+                                    s.logit_bias))  # fmt: skip
         return rows
 
     def _launch(self, plan: StepPlan) -> StepHandle | None:

@@ -13,7 +13,7 @@ import dataclasses
 import secrets
 import uuid
 
-from qwen35_jax.sampling import SamplingParams
+from qwen35_jax.sampling import MAX_LOGIT_BIAS, SamplingParams
 from qwen35_jax.serving import protocol as api
 from qwen35_jax.serving.engine import GenerationParams
 from qwen35_jax.serving.errors import APIError
@@ -219,7 +219,25 @@ class RequestPreparer:
             top_p=1.0 if request.top_p is None else request.top_p,
             min_p=request.min_p or 0.0,
             seed=secrets.randbits(63) if request.seed is None else request.seed,
+            logit_bias=self._logit_bias(request.logit_bias or {}),
         )  # fmt: skip
+
+    def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": value} as (id, value) pairs, checked against the vocabulary; zeros dropped."""
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+        pairs = []
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias key {key[:40]!r} is not a token id", "logit_bias") from None
+            if not 0 <= token < self.config.vocab_size:
+                raise APIError(400, f"logit_bias token id {token} is outside the vocabulary [0, "
+                                    f"{self.config.vocab_size})", "logit_bias")  # fmt: skip
+            if value:
+                pairs.append((token, float(value)))
+        return tuple(pairs)
 
 
 def _forced_tool_call(tool_choice) -> str:

@@ -65,7 +65,7 @@ class SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -83,8 +83,6 @@ def _neutral_problems(request: SamplingFields) -> list[tuple[str, str]]:
         problems.append(
             ("repetition_penalty", f"repetition_penalty={request.repetition_penalty} is not supported (use 1)")
         )
-    if request.logit_bias:
-        problems.append(("logit_bias", "logit_bias is not supported"))
     if request.stream_options is not None and not request.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
     return problems

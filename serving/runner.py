@@ -34,6 +34,7 @@ from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
 from qwen35_jax.cache import CacheSpec, new_cache
 from qwen35_jax.kernels import Mixers, region_mixers
 from qwen35_jax.model import ModelDef, forward
+from qwen35_jax.sampling import MAX_LOGIT_BIAS
 from qwen35_jax.serving.device_sampling import SamplingRows, greedy, resample, top_logprobs
 from qwen35_jax.serving.plan import StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE
@@ -117,7 +118,8 @@ def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, 
 
 
 def sampler_step(logits, rows: SamplingRows, token_state, slots, tokens):
-    """The draw for the sampled rows of a step (rows with temperature 0 keep `tokens`); the tokens go into
+    """The draw for the sampled rows of a step (greedy rows keep `tokens`, unless a logit_bias moves their argmax);
+    the tokens go into
     token_state at `slots` (the step's rows, padding rows at the trash slot). -> (token_state, tokens, logprobs)"""
     tokens, chosen = resample(logits, rows, tokens)
     return token_state.at[slots].set(tokens), tokens, chosen
@@ -236,7 +238,8 @@ class Runner:
         if kind == "top":
             return self._row_jitted["top"].lower(logits, i32((r,)))
         u32 = jax.ShapeDtypeStruct((r,), jnp.uint32)
-        rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)), u32, u32, i32((r,)))
+        rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)), u32, u32, i32((r,)),
+                            i32((r, MAX_LOGIT_BIAS)), f32((r, MAX_LOGIT_BIAS)))  # fmt: skip
         return self._row_jitted["sample"].lower(logits, rows, self.token_state, i32((r,)), i32((r,)))
 
     def _timed_compile(self, lowered, lower_seconds: float) -> tuple[object, float]:
@@ -346,7 +349,7 @@ class Runner:
         self.cache, self.token_state, (tokens, chosen), logits = executable(
             self._param_leaves, self.cache, self.token_state, inputs
         )
-        if any(row.temperature > 0 for row in sampling):
+        if any(row.temperature > 0 or row.logit_bias for row in sampling):
             tokens, chosen = self._sample(plan, key, inputs, sampling, logits, tokens)
         top_ids = top_lp = None
         if any(row.logprobs for row in sampling):

@@ -672,6 +672,21 @@ def test_seeded_noise_belongs_to_token_ids_not_ranks():
     assert (a == b).sum() >= draws - 1, (a, b)
 
 
+def test_logit_bias_moves_greedy_and_sampled_picks_and_leaves_logprobs_unbiased():
+    """Against the host reference: the pick is the argmax of logits + bias; logprobs are of the logits."""
+    logits = random_logits(4, 300, seed=5)
+    rows = SamplingRows.from_rows([SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, 0, ((7, 100.0),)),
+                                   SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, 0, ((int(np.argmax(logits[1])), -100.0),)),
+                                   SamplingRow(1.0, 0, 1.0, 0.0, 3, 0, 0, ((11, 100.0),)),
+                                   SamplingRow(0.0, 0, 1.0, 0.0, 0, 0)], 4)  # fmt: skip
+    tokens, chosen, *_ = (np.asarray(x) for x in sample_jit(logits, rows, 1))
+    reference = logits.astype(np.float64).copy()
+    reference[0, 7] += 100.0
+    reference[1, np.argmax(logits[1])] -= 100.0
+    assert tokens.tolist() == [7, int(np.argmax(reference[1])), 11, int(np.argmax(logits[3]))]
+    np.testing.assert_allclose(chosen, log_softmax(logits)[np.arange(4), tokens], atol=1e-5)  # fp32 logsumexp
+
+
 def test_seeds_differ_in_their_high_bits():
     """Seeds that share their low 32 bits draw differently: the whole 64-bit seed keys the noise."""
     seeds = [1, 2**32 + 1, -(2**32) + 1, 2**63 - 1, -(2**63)]
@@ -732,7 +747,7 @@ def test_filtered_draws_follow_the_host_oracle(params):
     kept = probs > 0
     assert 1 < kept.sum() < len(FLAT8) - 1  # the filter cuts, and leaves a distribution to test
     fields = dataclasses.asdict(params)
-    del fields["seed"]
+    del fields["seed"], fields["logit_bias"]
     counts = empirical_counts(FLAT8, **fields)
     assert counts[~kept].sum() == 0
     assert chi_square(counts[kept], probs[kept]) < CHI2_BOUND_1E6[int(kept.sum()) - 1]

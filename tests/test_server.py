@@ -83,6 +83,20 @@ def test_completion_logprobs_zero_gives_the_sampled_token(idle_server):
     ]
 
 
+def test_logit_bias_forces_a_token(idle_server):
+    """+100 on one token makes it the greedy pick at every step; -100 on it keeps it out."""
+    client, token = idle_server.client(), 300
+    forced = greedy(client, prompt=PROMPT_IDS, max_tokens=6, logit_bias={str(token): 100},
+                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert forced.choices[0].text == idle_server.model.tokenizer.decode([token] * 6)
+    sampled = greedy(client, prompt=PROMPT_IDS, max_tokens=6, temperature=1.0, seed=2, logit_bias={str(token): 100},
+                     extra_body={"ignore_eos": True})  # fmt: skip
+    assert sampled.choices[0].text == forced.choices[0].text
+    banned = greedy(client, prompt=PROMPT_IDS, max_tokens=24, logit_bias={str(token): -100}, logprobs=0,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert idle_server.model.tokenizer.decode([token]) not in banned.choices[0].logprobs.tokens
+
+
 def test_completion_logprobs(idle_server):
     response = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=6, logprobs=3,
                       extra_body={"ignore_eos": True})  # fmt: skip
