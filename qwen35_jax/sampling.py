@@ -13,8 +13,12 @@ import numpy as np
 MAX_LOGIT_BIAS = 256  # entries per request: the sampler program takes them as fixed-size arrays
 
 
-def biased(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+def biased(logits: np.ndarray, params: SamplingParams, output_ids=()) -> np.ndarray:
+    """The logits the pick is made from: penalties over `output_ids` (the request's output so far), then
+    logit_bias, in the order the device sampler applies them."""
     out = logits.astype(np.float64).copy()
+    counts = np.bincount(np.asarray(output_ids, np.int64), minlength=out.size)[: out.size]
+    out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     for token, value in params.logit_bias:
         out[token] += value
     return out
@@ -30,6 +34,10 @@ class SamplingParams:
     # (token id, value) pairs added to the logits before the pick, greedy or sampled (OpenAI's logit_bias);
     # logprobs stay those of the unbiased distribution.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties, over the request's own output tokens so far: each token's logit loses
+    # frequency_penalty x its count, and presence_penalty once if it occurred.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -41,12 +49,19 @@ class SamplingParams:
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -66,8 +81,8 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs / probs.sum()
 
 
-def sample_host(logits: np.ndarray, params: SamplingParams, step: int) -> int:
-    logits = biased(logits, params)
+def sample_host(logits: np.ndarray, params: SamplingParams, step: int, output_ids=()) -> int:
+    logits = biased(logits, params, output_ids)
     if params.greedy:
         return int(np.argmax(logits))
     rng = np.random.default_rng([params.seed % 2**64, step])

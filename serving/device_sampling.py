@@ -30,6 +30,8 @@ class SamplingRows:
     output_index: jax.Array  # [R] int32: index of the token being sampled in the request's output
     bias_ids: jax.Array  # [R, MAX_LOGIT_BIAS] int32: logit_bias token ids (padding: token 0 with value 0)
     bias_values: jax.Array  # [R, MAX_LOGIT_BIAS] fp32
+    presence: jax.Array  # [R] fp32: presence_penalty
+    frequency: jax.Array  # [R] fp32: frequency_penalty
 
     @staticmethod
     def from_rows(rows: list, pad_to: int) -> SamplingRows:
@@ -47,6 +49,7 @@ class SamplingRows:
             seed_hi=np.asarray([s >> 32 for s in seeds], np.uint32),
             seed_lo=np.asarray([s & 0xFFFFFFFF for s in seeds], np.uint32),
             output_index=column("output_index", np.int32, 0), **_bias_columns(rows, pad_to),
+            presence=column("presence_penalty", np.float32, 0.0), frequency=column("frequency_penalty", np.float32, 0.0),
         )  # fmt: skip
 
 
@@ -111,11 +114,17 @@ def top_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int):
     return _logprob_of(logits, tokens, lse), top_ids.astype(jnp.int32), top_logits - lse[:, None]
 
 
-def resample(logits: jax.Array, rows: SamplingRows, tokens: jax.Array):
-    """The tokens of rows with temperature > 0 replaced by a draw, and of greedy rows with a logit_bias by the
-    biased argmax; returns (tokens [R] int32, their logprobs, of the unbiased logits)."""
-    shifted = _with_bias(logits, rows)
-    has_bias = jnp.any(rows.bias_values != 0, axis=-1)
+def penalized(logits: jax.Array, rows: SamplingRows, counts: jax.Array) -> jax.Array:
+    """logits less each row's penalties over `counts` [R, V] (its output tokens so far)."""
+    return logits - rows.frequency[:, None] * counts - rows.presence[:, None] * (counts > 0)
+
+
+def resample(logits: jax.Array, rows: SamplingRows, tokens: jax.Array, counts: jax.Array | None = None):
+    """The tokens of rows with temperature > 0 replaced by a draw, and of greedy rows with penalties or a
+    logit_bias by the argmax of what those make of the logits; returns (tokens [R] int32, their logprobs, of the
+    unmodified logits). counts: [R, V] output-token counts of the rows, for the penalties."""
+    shifted = _with_bias(logits if counts is None else penalized(logits, rows, counts), rows)
+    has_bias = jnp.any(rows.bias_values != 0, axis=-1) | (rows.presence != 0) | (rows.frequency != 0)
     greedy = jnp.where(has_bias, jnp.argmax(shifted, axis=-1), tokens)
     tokens = jnp.where(rows.temperature > 0, _draw(shifted, rows), greedy).astype(jnp.int32)
     return tokens, _logprob_of(logits, tokens)

@@ -100,6 +100,8 @@ class SamplingRow:
     output_index: int
     logprobs: int = 0  # top logprobs wanted (the runner computes them only for steps where a row wants some)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 class Engine:
@@ -200,7 +202,7 @@ class Engine:
             s = gen.params.sampling
             index = gen.request.num_output_tokens - 1  # counted at schedule time for this step
             rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index, gen.params.logprobs or 0,
-                                    s.logit_bias))  # fmt: skip
+                                    s.logit_bias, s.presence_penalty, s.frequency_penalty))  # fmt: skip
         return rows
 
     def _launch(self, plan: StepPlan) -> StepHandle | None:

@@ -220,6 +220,7 @@ class RequestPreparer:
             min_p=request.min_p or 0.0,
             seed=secrets.randbits(63) if request.seed is None else request.seed,
             logit_bias=self._logit_bias(request.logit_bias or {}),
+            presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
         )  # fmt: skip
 
     def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:

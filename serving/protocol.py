@@ -62,8 +62,8 @@ class SamplingFields(_Strict):
     user: str | None = None
     n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] | None = None
     # Accepted only at their neutral values (see `unsupported_params`).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
 
@@ -75,10 +75,6 @@ class SamplingFields(_Strict):
 
 def _neutral_problems(request: SamplingFields) -> list[tuple[str, str]]:
     problems = []
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(request, name)
-        if value is not None and value != 0:
-            problems.append((name, f"{name}={value} is not supported: penalties are not implemented (use 0)"))
     if request.repetition_penalty is not None and request.repetition_penalty != 1:
         problems.append(
             ("repetition_penalty", f"repetition_penalty={request.repetition_penalty} is not supported (use 1)")

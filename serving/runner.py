@@ -117,12 +117,17 @@ def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, 
     return cache, token_state, (tokens, chosen), logits
 
 
-def sampler_step(logits, rows: SamplingRows, token_state, slots, tokens):
-    """The draw for the sampled rows of a step (greedy rows keep `tokens`, unless a logit_bias moves their argmax);
-    the tokens go into
-    token_state at `slots` (the step's rows, padding rows at the trash slot). -> (token_state, tokens, logprobs)"""
-    tokens, chosen = resample(logits, rows, tokens)
-    return token_state.at[slots].set(tokens), tokens, chosen
+def sampler_step(logits, rows: SamplingRows, token_state, output_counts, slots, tokens):
+    """The draw for the sampled rows of a step (greedy rows keep `tokens`, unless penalties or a logit_bias move
+    their argmax); the tokens go into token_state at `slots` (the step's rows, padding rows at the trash slot),
+    and into each row's output-token counts, which the penalties read. A request's first output token
+    (output_index 0) starts its slot's counts from zero; a chunk that samples nothing (output_index -1) leaves them.
+    -> (token_state, output_counts, tokens, logprobs)"""
+    counts = output_counts[slots] * (rows.output_index[:, None] > 0)
+    tokens, chosen = resample(logits, rows, tokens, counts)
+    counts = counts.at[jnp.arange(tokens.shape[0]), tokens].add(1)
+    counts = jnp.where(rows.output_index[:, None] >= 0, counts, output_counts[slots])
+    return token_state.at[slots].set(tokens), output_counts.at[slots].set(counts), tokens, chosen
 
 
 @dataclasses.dataclass
@@ -164,6 +169,8 @@ class Runner:
         self.trash_slot = spec.num_slots - 1
         self.cache = new_cache(model_def.cfg, spec, model_def.dtype)
         self.token_state = jnp.zeros(spec.num_slots, jnp.int32)
+        # Each slot's output-token counts, for presence/frequency penalties (kept by the sampler program).
+        self.output_counts = jnp.zeros((spec.num_slots, model_def.cfg.vocab_size), jnp.int32)
         self.executables: dict[tuple[int, int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self.temp_bytes: dict[tuple[int, int, int], int] = {}  # device scratch of each program
@@ -175,7 +182,7 @@ class Runner:
         # Only programs with both sides differ under `streams` (model.forward), so one jit serves every key.
         self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set, self.streams),
                                donate_argnums=(1, 2))  # fmt: skip
-        self._row_jitted = {"sample": jax.jit(sampler_step, donate_argnums=(2,)),
+        self._row_jitted = {"sample": jax.jit(sampler_step, donate_argnums=(2, 3)),
                             "top": jax.jit(partial(top_logprobs, num_top=num_top_logprobs))}  # fmt: skip
 
     @property
@@ -239,8 +246,9 @@ class Runner:
             return self._row_jitted["top"].lower(logits, i32((r,)))
         u32 = jax.ShapeDtypeStruct((r,), jnp.uint32)
         rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)), u32, u32, i32((r,)),
-                            i32((r, MAX_LOGIT_BIAS)), f32((r, MAX_LOGIT_BIAS)))  # fmt: skip
-        return self._row_jitted["sample"].lower(logits, rows, self.token_state, i32((r,)), i32((r,)))
+                            i32((r, MAX_LOGIT_BIAS)), f32((r, MAX_LOGIT_BIAS)), f32((r,)), f32((r,)))  # fmt: skip
+        return self._row_jitted["sample"].lower(logits, rows, self.token_state, self.output_counts, i32((r,)),
+                                                i32((r,)))  # fmt: skip
 
     def _timed_compile(self, lowered, lower_seconds: float) -> tuple[object, float]:
         """XLA's compile of a lowered program; (executable, lower + compile seconds)."""
@@ -349,7 +357,8 @@ class Runner:
         self.cache, self.token_state, (tokens, chosen), logits = executable(
             self._param_leaves, self.cache, self.token_state, inputs
         )
-        if any(row.temperature > 0 or row.logit_bias for row in sampling):
+        if any(row.temperature > 0 or row.logit_bias or row.presence_penalty or row.frequency_penalty
+               for row in sampling):  # fmt: skip
             tokens, chosen = self._sample(plan, key, inputs, sampling, logits, tokens)
         top_ids = top_lp = None
         if any(row.logprobs for row in sampling):
@@ -368,14 +377,17 @@ class Runner:
         rows = SamplingRows.from_rows(padded, rows_total)
         slots = np.concatenate([side.slots for side in (inputs.decode, inputs.prefill) if side is not None])
         sampler = self.row_program("sample", rows_total)
-        self.token_state, tokens, chosen = sampler(logits, rows, self.token_state, slots, tokens)
+        self.token_state, self.output_counts, tokens, chosen = sampler(
+            logits, rows, self.token_state, self.output_counts, slots, tokens
+        )
         return tokens, chosen
 
     def cache_lost(self) -> bool:
         """True when a failed step consumed the donated caches."""
-        return any(x.is_deleted() for x in (self.cache.k_pages, self.cache.ssm, self.token_state))
+        return any(x.is_deleted() for x in (self.cache.k_pages, self.cache.ssm, self.token_state, self.output_counts))
 
     def reset_cache(self) -> None:
         """After a failed step the donated buffers may be gone: start from fresh caches."""
         self.cache = new_cache(self.model_def.cfg, self.spec, self.model_def.dtype)
         self.token_state = jnp.zeros(self.spec.num_slots, jnp.int32)
+        self.output_counts = jnp.zeros_like(self.output_counts)

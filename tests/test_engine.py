@@ -240,6 +240,36 @@ def test_greedy_generation_matches_hf_and_model(golden_cases):
     assert result.token_ids == golden.model.generate(golden.prompt, 8, ignore_eos=True)
 
 
+def test_penalties_follow_the_host_oracle(golden_cases):
+    """presence/frequency penalties, greedy: the engine (penalties from device-side output-token counts) against
+    `model.generate` (the host sampler, counting the same tokens), on the same model."""
+    golden = golden_cases("composite_untied_gqa2")
+    penalties = dict(presence_penalty=0.5, frequency_penalty=2.0)
+    params = GenerationParams(12, ignore_eos=True, sampling=SamplingParams(**penalties))
+    result = generate(golden.engine, [(golden.prompt, params)])[0]
+    assert result.token_ids == golden.model.generate(golden.prompt, 12, ignore_eos=True, **penalties)
+    assert result.token_ids != generate(golden.engine, [(golden.prompt, greedy(12))])[0].token_ids  # they bite
+
+
+def test_the_sampler_counts_output_tokens_per_slot():
+    """The counts the penalties read: a first output token (index 0) starts its slot from zero, later ones add,
+    and a chunk that samples nothing (index -1) leaves its slot alone."""
+    from qwen35_jax.serving.runner import sampler_step
+
+    vocab, slots = 16, np.array([0, 1, 2])
+    logits = np.zeros((3, vocab), np.float32)
+    logits[:, 5] = 1.0  # every greedy pick is 5 unless penalised
+    counts = np.zeros((4, vocab), np.int32)
+    counts[0, 5] = counts[1, 5] = counts[2, 5] = 3  # stale or earlier counts
+    rows = sampling_rows(3, frequency_penalty=1.0, output_index=[0, 4, -1])
+    _, new_counts, tokens, _ = jax.jit(sampler_step)(logits, rows, np.zeros(4, np.int32), counts, slots, np.full(3, 5))
+    new_counts = np.asarray(new_counts)
+    # row 0 restarts (its stale 3 is gone) and picks 5; row 1 has 5 three times: 1 - 3 < 0, so token 0 wins
+    assert np.asarray(tokens)[:2].tolist() == [5, 0]
+    assert new_counts[0].tolist() == np.eye(vocab, dtype=int)[5].tolist()
+    assert new_counts[1, 5] == 3 and new_counts[1, 0] == 1 and new_counts[2].tolist() == counts[2].tolist()
+
+
 # ---- what batching, chunking and repetition must not change -------------------------------------------
 
 MIXED = [(3, 12), (200, 4), (17, 9), (64, 6), (65, 12), (130, 5), (9, 10), (41, 8)]  # (prompt, max_tokens)

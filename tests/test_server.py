@@ -97,6 +97,16 @@ def test_logit_bias_forces_a_token(idle_server):
     assert idle_server.model.tokenizer.decode([token]) not in banned.choices[0].logprobs.tokens
 
 
+def test_penalties_reach_the_sampler(idle_server):
+    """A strong frequency penalty stops the tiny model's repetition (the engine test checks the exact tokens)."""
+    client = idle_server.client()
+    fields = dict(prompt=PROMPT_IDS, max_tokens=24, logprobs=0, extra_body={"ignore_eos": True})
+    plain = greedy(client, **fields).choices[0].logprobs.tokens
+    penalized = greedy(client, frequency_penalty=2.0, presence_penalty=1.0, **fields).choices[0].logprobs.tokens
+    assert penalized != plain
+    assert max(penalized.count(t) for t in penalized) <= max(plain.count(t) for t in plain)
+
+
 def test_completion_logprobs(idle_server):
     response = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=6, logprobs=3,
                       extra_body={"ignore_eos": True})  # fmt: skip
