@@ -50,7 +50,8 @@ class EngineConfig:
             (self.num_pages is None or self.num_pages >= 2, f"--num-pages must be >= 2, got {self.num_pages}"),
             (self.scheduler_policy in ("off", "auto"), f"--scheduler-policy must be off|auto, got {self.scheduler_policy!r}"),
             (self.decode_overlap in ("off", "stream"), f"--decode-overlap must be off|stream, got {self.decode_overlap!r}"),
-            (isinstance(self.overlap_step_bound, (int, float)) and self.overlap_step_bound >= 1.0,
+            (isinstance(self.overlap_step_bound, (int, float)) and not isinstance(self.overlap_step_bound, bool)
+             and self.overlap_step_bound >= 1.0,
              f"--overlap-step-bound must be a number >= 1.0, got {self.overlap_step_bound!r}"),
         ]  # fmt: skip
         for ok, message in checks:

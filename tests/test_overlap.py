@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 import pytest
-from test_engine import Collector, StepSpy, assert_same_greedy, generate, greedy, prompt, sampled
+from test_engine import Collector, StepSpy, assert_same_greedy, greedy, prompt, sampled
 
 from qwen35_jax.serving.engine import TokenLogprob
 from qwen35_jax.serving.factory import EngineConfig, check_overlap
@@ -107,23 +107,25 @@ class LaunchRecorder:
         return [plan for plan, _, _ in self.steps]
 
 
-def assert_bit_identical(got: np.ndarray | None, want: np.ndarray | None, what: str) -> None:
-    if want is None:
-        assert got is None, what
-        return
-    assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes(), what
+def real_rows(handle: StepHandle, outputs: tuple) -> list:
+    """The outputs of the plan's own rows: padding rows read and write the trash slot, whose contents are
+    garbage by contract (another history leaves other garbage there)."""
+    rows = [i for i, _ in handle.output_rows()]
+    return [None if x is None else x[rows] for x in outputs]
 
 
 def replay(runner, steps: list[tuple], logprobs: dict[str, int]) -> dict[str, list[TokenLogprob]]:
-    """Launches recorded steps, in order, through another runner and checks every output against the recording
-    bit for bit; returns each request's sampled tokens as the engine would deliver them."""
+    """Launches recorded steps, in order, through another runner and checks every plan row's outputs against the
+    recording bit for bit; returns each request's sampled tokens as the engine would deliver them."""
     delivered = collections.defaultdict(list)
     for plan, sampling, recorded in steps:
         handle = runner.launch(plan, sampling)
         outputs = handle.fetch()
-        for name, got, want in zip(("tokens", "logprobs", "top ids", "top logprobs"), outputs, recorded.fetch(),
-                                   strict=True):  # fmt: skip
-            assert_bit_identical(got, want, f"step {plan.step_id} ({plan.action}): {name}")
+        for name, got, want in zip(("tokens", "logprobs", "top ids", "top logprobs"), real_rows(handle, outputs),
+                                   real_rows(recorded, recorded.fetch()), strict=True):  # fmt: skip
+            what = f"step {plan.step_id} ({plan.action}): {name}"
+            assert (got is None) == (want is None), what
+            assert want is None or (got.dtype == want.dtype and got.tobytes() == want.tobytes()), what
         tokens, chosen, top_ids, top_lp = outputs
         for i, row in handle.output_rows():
             if getattr(row, "is_last", True):
@@ -155,6 +157,19 @@ def step_until(engine, predicate, limit: int = 200) -> None:
     raise AssertionError(f"not reached in {limit} steps")
 
 
+def run_to_idle(engine, limit: int = 500) -> None:
+    """run_until_done with a bound: an engine that lost a step would otherwise step forever."""
+    step_until(engine, lambda: not engine.has_work(), limit)
+
+
+def generate(engine, requests: list) -> list:
+    """test_engine's `generate` (submit all, run to idle, results in order) with run_to_idle's bound."""
+    collector = Collector()
+    ids = [engine.submit(p, params, collector) for p, params in requests]
+    run_to_idle(engine, limit=2000)
+    return [collector.result(rid, len(p)) for rid, (p, _) in zip(ids, requests, strict=True)]
+
+
 def trace_actions(caplog) -> list[tuple[int, str]]:
     """(step id, action) of every ITL_STEP line, in order."""
     lines = [r.getMessage() for r in caplog.records if r.name == ENGINE_LOG and r.getMessage().startswith("ITL_STEP")]
@@ -184,8 +199,7 @@ def test_stream_on_the_cpu_runs_the_off_programs_with_a_measured_budget(stream_b
     assert off_engine.scheduler.overlap_budget is None
     assert not engine.runner.streams and not annotates_streams("stream", "cpu")
     assert annotates_streams("stream", "gpu") and not annotates_streams("off", "gpu")
-    key = (4, 1, 16)
-    assert engine.runner.executables[key].as_text() == off_engine.runner.executables[key].as_text()
+    assert set(engine.runner.executables) == set(off_engine.runner.executables)
 
 
 # ---- same plans, same bits; own plans, same greedy tokens ---------------------------------------------
@@ -199,7 +213,7 @@ def test_stream_plans_replayed_through_off_give_the_same_bits(stream_engine, off
     recorder = LaunchRecorder(stream_engine.runner, monkeypatch)
     collector = Collector()
     ids = [stream_engine.submit(p, params, collector) for p, params in requests]
-    stream_engine.run_until_done()
+    run_to_idle(stream_engine, limit=2000)
     results = [collector.result(rid, len(p)) for rid, (p, _) in zip(ids, requests, strict=True)]
 
     plans = recorder.plans
@@ -216,8 +230,10 @@ def test_stream_plans_replayed_through_off_give_the_same_bits(stream_engine, off
     for rid, result, (_, params) in zip(ids, results, requests, strict=True):
         assert result.finish_reason == "length" and len(result.token_ids) == params.max_tokens
         assert result.logprobs == delivered[rid], rid
-    sampled_ids = [rid for rid, (_, params) in zip(ids, requests, strict=True) if params.sampling.temperature > 0]
-    assert len(sampled_ids) == 8
+    # The seeded requests sampled: at temperature 0.8 over ~flat distributions the draw is rarely the argmax.
+    sampled_results = [r for r, (_, params) in zip(results, requests, strict=True) if params.sampling.temperature]
+    assert len(sampled_results) == 8
+    assert all(any(lp.token_id != lp.top[0][0] for lp in r.logprobs) for r in sampled_results)
 
 
 def test_each_mode_under_its_own_plans_gives_the_same_greedy_tokens(stream_engine, off_engine, monkeypatch):
@@ -240,7 +256,7 @@ def run_decoders(engine, decoders: list, long_request=None) -> list:
     step_until(engine, lambda: all(is_decoding(engine, rid) for rid in ids))
     if long_request is not None:
         engine.submit(*long_request, collector)
-    engine.run_until_done()
+    run_to_idle(engine)
     return [collector.result(rid) for rid in ids]
 
 
@@ -260,7 +276,9 @@ def test_decoders_beside_a_long_prompt_match_decoders_alone(stream_engine, monke
 # ---- cancel, shutdown and errors while an overlapped step is in flight --------------------------------
 
 
-def test_cancelling_the_last_decoder_mid_overlap_still_completes_the_prompt(stream_engine, off_engine, monkeypatch):
+def test_cancelling_the_last_decoder_mid_overlap_still_completes_the_prompt(
+    stream_engine, off_engine, monkeypatch, caplog
+):
     """The decoder is aborted while an overlapped step (its row + the prompt's second chunk) is in flight. The
     next step has no decoder: the engine processes the in-flight step first, then prefills at the full cap; the
     prompt completes with off's tokens, and the decoder gets nothing of the step in flight."""
@@ -276,11 +294,15 @@ def test_cancelling_the_last_decoder_mid_overlap_still_completes_the_prompt(stre
     assert in_flight.action == "overlap_launch" and [r.request_id for r in in_flight.decode] == [decoder]
     delivered = collector.tokens(decoder)
     stream_engine.abort(decoder)
-    stream_engine.step()
+    monkeypatch.setattr(stream_engine, "trace_steps", True)
+    with caplog.at_level(logging.INFO, logger=ENGINE_LOG):
+        stream_engine.step()
     after = spy.plans[-1]
     assert after.action == "prefill" and not after.decode
     assert [(c.request_id, c.start, len(c.token_ids)) for c in after.prefill] == [(long_id, 32, 64)]
-    stream_engine.run_until_done()
+    waited = [(in_flight.step_id, "overlap_wait"), (in_flight.step_id, "overlap_complete"), (after.step_id, "prefill")]
+    assert trace_actions(caplog) == waited
+    run_to_idle(stream_engine)
     cancelled = collector.result(decoder)
     assert cancelled.finish_reason == "abort" and cancelled.token_ids == delivered
     result = collector.result(long_id, 130)
@@ -375,25 +397,30 @@ def test_an_overlapped_step_error_fails_only_its_requests(stream_engine, monkeyp
     monkeypatch.setattr(engine.runner, "launch", failing_launch)
     monkeypatch.setattr(StepHandle, "fetch", failing_fetch)
     spy = StepSpy(engine.runner, monkeypatch)
+    monkeypatch.setattr(engine, "trace_steps", True)
     collector = Collector()
     decoder = engine.submit(prompt(6, seed=342), greedy(3 if where == "fetch_at_wait" else 40), collector)
-    with caplog.at_level(logging.ERROR, logger=ENGINE_LOG):
+    with caplog.at_level(logging.INFO, logger=ENGINE_LOG):
         step_until(engine, lambda: is_decoding(engine, decoder))
         long_id = engine.submit(prompt(130, seed=343), greedy(5), collector)
         queued = engine.submit(p_queued, greedy(5), collector)
-        engine.run_until_done()
+        run_to_idle(engine)
     assert len(failures) == 1 and len(targets) == 1
     target = targets[0]
     assert {r.request_id for r in target.decode} == {decoder} and [c.request_id for c in target.prefill] == [long_id]
+    waited = (target.step_id, "overlap_wait") in trace_actions(caplog)
+    assert waited == (where == "fetch_at_wait")
     errors = engine_errors(caplog)
     assert len(errors) == 1 and failures[0] in str(errors[0].exc_info[1]), [e.getMessage() for e in errors]
     for rid in (decoder, long_id):
         result = collector.result(rid)
         assert result.finish_reason == "error" and failures[0] in result.error, rid
     assert collector.tokens(long_id) == []
-    # P's later chunks are never launched once P has failed.
-    assert not [plan for plan in spy.plans if plan.step_id > target.step_id + 1 and plan.prefill
-                and plan.prefill[0].request_id == long_id]  # fmt: skip
+    # No chunk of P is launched once P has failed. A failed read-back is seen one step late (the next step is
+    # launched first), except at the wait, which reads the step before launching the next.
+    first_after = target.step_id + (2 if where == "fetch" else 1)
+    assert not [plan.step_id for plan in spy.plans if plan.step_id >= first_after
+                and any(c.request_id == long_id for c in plan.prefill)]  # fmt: skip
     got_queued = collector.result(queued)
     assert got_queued.token_ids == want_queued.token_ids and got_queued.logprobs == want_queued.logprobs
     later = generate(engine, [(p_later, greedy(5))])[0]
@@ -421,13 +448,18 @@ TRACE_SCRIPTS = {
 def test_the_overlap_trace_follows_the_script(stream_engine, caplog, monkeypatch, script):
     (decoder_len, decoder_tokens), (prompt_len, prompt_tokens), expected = TRACE_SCRIPTS[script]
     monkeypatch.setattr(stream_engine, "trace_steps", True)
-    requests = [(prompt(decoder_len, seed=350), greedy(decoder_tokens)), (prompt(prompt_len, seed=351), greedy(prompt_tokens))]
+    requests = [
+        (prompt(decoder_len, seed=350), greedy(decoder_tokens)),
+        (prompt(prompt_len, seed=351), greedy(prompt_tokens)),
+    ]
+    collector = Collector()
     with caplog.at_level(logging.INFO, logger=ENGINE_LOG):
-        results = generate(stream_engine, requests)
+        ids = [stream_engine.submit(p, params, collector) for p, params in requests]
+        run_to_idle(stream_engine, limit=20)
     lines = trace_actions(caplog)
     first = lines[0][0]
     assert [(step - first, action) for step, action in lines] == expected
-    assert [len(r.token_ids) for r in results] == [decoder_tokens, prompt_tokens]
+    assert [len(collector.result(rid).token_ids) for rid in ids] == [decoder_tokens, prompt_tokens]
 
 
 def test_auto_under_stream_keeps_prefilling_beside_a_finishing_decoder(stream_engine, off_engine, monkeypatch):
@@ -462,7 +494,7 @@ def test_check_overlap_refuses_stream_with_ref_kernels_on_a_gpu_only():
             check_overlap("off", kernels, platform=platform)
 
 
-@pytest.mark.parametrize("bound", [0.5, 0.999, "3"])
+@pytest.mark.parametrize("bound", [0.5, 0.999, "3", True])
 def test_overlap_step_bound_below_one_is_refused(bound):
     with pytest.raises(ValueError, match="--overlap-step-bound"):
         EngineConfig(overlap_step_bound=bound)

@@ -329,6 +329,19 @@ def test_off_ignores_an_overlap_budget():
     assert plan.action == "unified" and len(plan.prefill[0].token_ids) == 16
 
 
+@pytest.mark.parametrize("policy", ["off", "auto"])
+def test_stream_overlap_leaves_prefill_only_steps_the_whole_cap(policy):
+    """The budget caps a chunk beside decode rows only: before the first decoder, and once the last one has
+    sampled its last token ("d" in step 1, inside auto's finishing window), the prompt takes the whole cap."""
+    scheduler = scheduler_with(make_request("d", 2, 2), make_request("p", 40, 4), max_prefill_tokens=16,
+                               policy=policy, decode_overlap="stream")  # fmt: skip
+    scheduler.overlap_budget = OverlapBudget(((4, 4),))
+    plans = [scheduler.schedule() for _ in range(3)]
+    assert [(p.action, p.budget, p.num_prefill_tokens) for p in plans] == [
+        ("prefill", 16, 2), ("overlap_launch", 4, 4), ("prefill", 16, 16)
+    ]  # fmt: skip
+
+
 def test_stream_actions_name_the_step_behind_an_overlapped_one():
     scheduler = scheduler_with(make_request("d", 2, 6), max_prefill_tokens=16, decode_overlap="stream")
     assert scheduler.schedule().action == "prefill"
