@@ -5,7 +5,8 @@ stops. A configuration whose folder already holds `done` is skipped, so a run cu
     python3 tools/overlap_http.py OUTDIR --configs off/off,stream/off,off/auto,stream/auto -- \\
         --model 4b --kernels pallas --max-batch 32 --max-model-len 8704 --gpu-memory-fraction 0.6
 
-A configuration is OVERLAP/POLICY. Everything after `--` goes to every `serve`. The cells:
+A configuration is OVERLAP/POLICY. Everything after `--` goes to every `serve`. On the lent GPU host, write
+OUTDIR outside $OUT and tar it into $OUT: a call brings back only a few files. The cells:
   c1_1024_256, c16_1024_256: 1024-token prompts, 256 tokens out, at concurrency 1 (8 requests) and 16 (48);
   qps{8,12,16}_1024_128: 96 requests of 1024/128 at those Poisson rates;
   mixed: 16 decoders of 128/768 at concurrency 16 while six 8192/16 prompts arrive at 1 req/s (both runs keep
