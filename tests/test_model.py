@@ -15,17 +15,15 @@ from qwen35_jax.model import FUSED_QKV_MAX_ROWS, MLP, GatedDeltaNet, _projection
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 512, 90)]
 
 
-def test_per_group_weights_compute_what_the_scan_does(tiny_model):
+def test_per_group_weights_compute_what_the_scan_does():
     """Chunked prefill then decode steps, which covers both sides' GDN states and the KV pages. Same operations in
-    the same order per layer; only XLA's fusion choices may differ (fp32 rounding, 1e-6 on logits of std ~0.1-1)."""
-    scan = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
-    stacked = tiny_model.params
-    tiny_model.params = layout_for_platform(stacked, platform="gpu")
-    try:
-        assert isinstance(tiny_model.params["groups"], tuple) and len(tiny_model.params["groups"]) == 2
-        per_group = tiny_model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
-    finally:
-        tiny_model.params = stacked
+    the same order per layer; only XLA's fusion choices may differ (fp32 rounding, 1e-6 on logits of std ~0.1-1).
+    Its own model: the GPU layout frees the stacked weights, which the session's `tiny_model` must keep."""
+    model = load_model("tiny", dtype="float32")
+    scan = model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
+    model.params = layout_for_platform(model.params, platform="gpu")
+    assert isinstance(model.params["groups"], tuple) and len(model.params["groups"]) == 2
+    per_group = model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
     np.testing.assert_allclose(per_group, scan, atol=1e-6, rtol=0)
 
 
