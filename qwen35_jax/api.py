@@ -126,19 +126,20 @@ class LoadedModel:
     def generate(
         self, token_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
         min_p: float = 0.0, seed: int = 0, stop_token_ids=None, ignore_eos: bool = False,
-        presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
     ) -> list[int]:  # fmt: skip
         """Generate up to max_new_tokens for one prompt; stops at EOS (config) or stop_token_ids."""
         ids = self._check_ids(token_ids)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)  # fmt: skip
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty)  # fmt: skip
         stops = set(stop_token_ids or ()) | (set() if ignore_eos else set(self.config.eos_token_ids))
         cache, page_table = self._single_cache(len(ids) + max_new_tokens)
         inputs = self._prefill_inputs(ids, 0, _round_up(len(ids), 64), page_table)
         logits, cache = step(self.model_def, self.params, cache, inputs, self.kernels)
         out: list[int] = []
         while len(out) < max_new_tokens:
-            token = sample_host(np.asarray(logits[-1]), params, step=len(out), output_ids=out)
+            token = sample_host(np.asarray(logits[-1]), params, step=len(out), output_ids=out, prompt_ids=ids)
             out.append(token)
             if token in stops:
                 break

@@ -13,11 +13,17 @@ import numpy as np
 MAX_LOGIT_BIAS = 256  # entries per request: the sampler program takes them as fixed-size arrays
 
 
-def biased(logits: np.ndarray, params: SamplingParams, output_ids=()) -> np.ndarray:
-    """The logits the pick is made from: penalties over `output_ids` (the request's output so far), then
-    logit_bias, in the order the device sampler applies them."""
+def biased(logits: np.ndarray, params: SamplingParams, output_ids=(), prompt_ids=()) -> np.ndarray:
+    """The logits the pick is made from, in the order the device sampler applies them: the repetition penalty
+    over the tokens of `prompt_ids` and `output_ids` (the request's output so far), the presence and frequency
+    penalties over `output_ids`, then logit_bias."""
     out = logits.astype(np.float64).copy()
     counts = np.bincount(np.asarray(output_ids, np.int64), minlength=out.size)[: out.size]
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[np.asarray(prompt_ids, np.int64)] = True
+        penalty = params.repetition_penalty
+        out = np.where(seen, np.where(out > 0, out / penalty, out * penalty), out)
     out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     for token, value in params.logit_bias:
         out[token] += value
@@ -38,6 +44,9 @@ class SamplingParams:
     # frequency_penalty x its count, and presence_penalty once if it occurred.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's (from the CTRL paper), over the prompt's tokens and the output's: a token that occurred has its logit
+    # divided by the penalty where it is positive and multiplied by it where it is not. 1 is neutral.
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -52,6 +61,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}")
 
@@ -61,7 +72,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -81,8 +92,8 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs / probs.sum()
 
 
-def sample_host(logits: np.ndarray, params: SamplingParams, step: int, output_ids=()) -> int:
-    logits = biased(logits, params, output_ids)
+def sample_host(logits: np.ndarray, params: SamplingParams, step: int, output_ids=(), prompt_ids=()) -> int:
+    logits = biased(logits, params, output_ids, prompt_ids)
     if params.greedy:
         return int(np.argmax(logits))
     rng = np.random.default_rng([params.seed % 2**64, step])

@@ -53,6 +53,9 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=defaults.gpu_memory_fraction,
                    help="fraction of free device memory for the KV pool and state slots")  # fmt: skip
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
+    p.add_argument("--prompt-logprobs-chunk", type=int, default=defaults.prompt_logprobs_chunk,
+                   help="largest chunk of a prompt-logprobs step (echo with logprobs, prompt_logprobs); "
+                        "0: none compiled, such requests get a 400")  # fmt: skip
     p.add_argument("--scheduler-policy", default=defaults.scheduler_policy, help="prefill budget policy: off|auto")
     p.add_argument("--decode-overlap", default=defaults.decode_overlap,
                    help="off|stream: stream runs prefill mixers beside decode mixers on separate GPU streams")  # fmt: skip
@@ -90,6 +93,7 @@ def engine_config(args, max_position_embeddings: int):
             gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
             scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap,
             overlap_step_bound=args.overlap_step_bound, compile_cache=cache,
+            prompt_logprobs_chunk=args.prompt_logprobs_chunk,
         )  # fmt: skip
     except ValueError as err:
         raise FlagError(str(err)) from None
@@ -222,7 +226,7 @@ def _serve_on(sock, args, config, cfg) -> None:
         served_model_name=name, max_model_len=config.max_model_len, vocab_size=cfg.vocab_size, api_key=args.api_key,
         max_queue=args.max_queue, default_chat_max_tokens=args.default_chat_max_tokens,
         max_logprobs=config.num_top_logprobs, reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, prompt_logprobs=config.prompt_logprobs_chunk > 0,
     )  # fmt: skip
     app = http.create_app(http.OpenAIServer(engine, model.tokenizer, server_config))
     url = http.listen_url(sock)

@@ -32,6 +32,7 @@ class SamplingRows:
     bias_values: jax.Array  # [R, MAX_LOGIT_BIAS] fp32
     presence: jax.Array  # [R] fp32: presence_penalty
     frequency: jax.Array  # [R] fp32: frequency_penalty
+    repetition: jax.Array  # [R] fp32: repetition_penalty (1 = off)
 
     @staticmethod
     def from_rows(rows: list, pad_to: int) -> SamplingRows:
@@ -50,6 +51,7 @@ class SamplingRows:
             seed_lo=np.asarray([s & 0xFFFFFFFF for s in seeds], np.uint32),
             output_index=column("output_index", np.int32, 0), **_bias_columns(rows, pad_to),
             presence=column("presence_penalty", np.float32, 0.0), frequency=column("frequency_penalty", np.float32, 0.0),
+            repetition=column("repetition_penalty", np.float32, 1.0),
         )  # fmt: skip
 
 
@@ -114,17 +116,37 @@ def top_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int):
     return _logprob_of(logits, tokens, lse), top_ids.astype(jnp.int32), top_logits - lse[:, None]
 
 
-def penalized(logits: jax.Array, rows: SamplingRows, counts: jax.Array) -> jax.Array:
-    """logits less each row's penalties over `counts` [R, V] (its output tokens so far)."""
+def prompt_token_logprobs(logits: jax.Array, targets: jax.Array, num_top: int):
+    """logits [T, V] at each position of a prompt chunk, targets [T] the prompt token after each position ->
+    (the targets' logprobs [T], their ranks [T] int32 (1 + the tokens of higher logit, as vLLM counts them), top
+    ids [T, num_top] int32, their logprobs), from one logsumexp per position, as `top_logprobs`."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)
+    ranks = 1 + jnp.sum(logits > picked, axis=-1, dtype=jnp.int32)
+    top_logits, top_ids = jax.lax.top_k(logits, num_top)
+    return picked[:, 0] - lse, ranks, top_ids.astype(jnp.int32), top_logits - lse[:, None]
+
+
+def penalized(logits: jax.Array, rows: SamplingRows, counts: jax.Array, in_prompt: jax.Array) -> jax.Array:
+    """logits after each row's penalties: the repetition penalty over the tokens of its prompt (`in_prompt`
+    [R, V] bool) and of its output so far (`counts` [R, V]), then presence and frequency over `counts`. A row at
+    repetition 1 keeps its logits bit for bit (x / 1 and x * 1 are exact), whatever its slot's mask holds."""
+    seen = in_prompt | (counts > 0)
+    repetition = rows.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
     return logits - rows.frequency[:, None] * counts - rows.presence[:, None] * (counts > 0)
 
 
-def resample(logits: jax.Array, rows: SamplingRows, tokens: jax.Array, counts: jax.Array | None = None):
+def resample(logits: jax.Array, rows: SamplingRows, tokens: jax.Array, counts: jax.Array | None = None,
+             in_prompt: jax.Array | None = None):  # fmt: skip
     """The tokens of rows with temperature > 0 replaced by a draw, and of greedy rows with penalties or a
     logit_bias by the argmax of what those make of the logits; returns (tokens [R] int32, their logprobs, of the
-    unmodified logits). counts: [R, V] output-token counts of the rows, for the penalties."""
-    shifted = _with_bias(logits if counts is None else penalized(logits, rows, counts), rows)
+    unmodified logits). counts: [R, V] output-token counts of the rows, and in_prompt: [R, V] which tokens their
+    prompts hold, for the penalties."""
+    shifted = logits if counts is None else penalized(logits, rows, counts, in_prompt)
+    shifted = _with_bias(shifted, rows)
     has_bias = jnp.any(rows.bias_values != 0, axis=-1) | (rows.presence != 0) | (rows.frequency != 0)
+    has_bias |= rows.repetition != 1
     greedy = jnp.where(has_bias, jnp.argmax(shifted, axis=-1), tokens)
     tokens = jnp.where(rows.temperature > 0, _draw(shifted, rows), greedy).astype(jnp.int32)
     return tokens, _logprob_of(logits, tokens)

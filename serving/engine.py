@@ -40,15 +40,19 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per token; None = none
+    # top-N logprobs at each prompt token after the first (beside the token's own); None = none. The prompt's
+    # chunks then run in prompt-logprobs steps, and the first output delivered carries them all.
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass
 class TokenLogprob:
-    """One output token's logprob and the top-N alternatives (most likely first), as the device returned them."""
+    """One token's logprob and the top-N alternatives (most likely first), as the device returned them."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None  # of a prompt token: 1 + the tokens the model found likelier there
 
 
 @dataclasses.dataclass
@@ -66,6 +70,9 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # With GenerationParams.prompt_logprobs, on the request's first output: one entry per prompt token from the
+    # second on (the first has no context to be scored in).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,6 +93,8 @@ class Generation:
     detokenizer: IncrementalDetokenizer | None  # None without a tokenizer: outputs carry token ids only
     stop_matcher: StopStringMatcher | None
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # gathered chunk by chunk
+    prompt_logprobs_sent: bool = False
 
 
 @dataclasses.dataclass
@@ -102,6 +111,7 @@ class SamplingRow:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 class Engine:
@@ -122,14 +132,17 @@ class Engine:
         self.trace_steps = False
 
     # ---- requests --------------------------------------------------------------------------------------
-    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raises RequestRejected when the request can never fit (before anything is queued)."""
-        self.scheduler.check_request(num_prompt_tokens, max_tokens)
+    def check(self, num_prompt_tokens: int, max_tokens: int, prompt_logprobs: bool = False) -> None:
+        """Raises RequestRejected when the request can never fit, or asks for prompt logprobs from an engine built
+        without their programs (before anything is queued)."""
+        self.scheduler.check_request(num_prompt_tokens, max_tokens, prompt_logprobs)
 
     def submit(self, prompt_ids: list[int], params: GenerationParams, on_output, request_id: str | None = None) -> str:
-        self.check(len(prompt_ids), params.max_tokens)
+        scored = params.prompt_logprobs is not None
+        self.check(len(prompt_ids), params.max_tokens, scored)
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(request_id=request_id, prompt_ids=list(prompt_ids), max_tokens=params.max_tokens)
+        request = Request(request_id=request_id, prompt_ids=list(prompt_ids), max_tokens=params.max_tokens,
+                          prompt_logprobs=scored)  # fmt: skip
         gen = Generation(request, params, on_output, *self._text_tools(params))
         with self._wake:
             # A live duplicate would make the loop's scheduler.add raise, which would stop the engine.
@@ -189,7 +202,8 @@ class Engine:
         prefill = tuple(chunk for chunk in plan.prefill if chunk.request_id in self.generations)
         if len(prefill) == len(plan.prefill):
             return plan
-        return dataclasses.replace(plan, prefill=prefill, action=step_action(plan.decode, prefill))
+        return dataclasses.replace(plan, prefill=prefill, action=step_action(plan.decode, prefill),
+                                   prompt_logprobs=plan.prompt_logprobs and bool(prefill))  # fmt: skip
 
     def _trace(self, line: str) -> None:
         if self.trace_steps:
@@ -202,7 +216,8 @@ class Engine:
             s = gen.params.sampling
             index = gen.request.num_output_tokens - 1  # counted at schedule time for this step
             rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index, gen.params.logprobs or 0,
-                                    s.logit_bias, s.presence_penalty, s.frequency_penalty))  # fmt: skip
+                                    s.logit_bias, s.presence_penalty, s.frequency_penalty,
+                                    s.repetition_penalty))  # fmt: skip
         return rows
 
     def _launch(self, plan: StepPlan) -> StepHandle | None:
@@ -227,6 +242,7 @@ class Engine:
     def _process(self, handle: StepHandle) -> None:
         try:
             tokens, chosen, top_ids, top_lp = handle.fetch()
+            prompt_outputs = handle.fetch_prompt_logprobs()
         except Exception as err:
             log.exception("step %d failed on the device", handle.plan.step_id)
             self._fail_step(handle.plan, f"engine step failed: {err}")
@@ -234,15 +250,30 @@ class Engine:
         if handle.plan.action == OVERLAP_LAUNCH:
             self._trace(f"ITL_STEP step={handle.plan.step_id} plan={OVERLAP_COMPLETE} "
                         f"prefill_tok={handle.plan.num_prefill_tokens}")  # fmt: skip
+        if handle.plan.prompt_logprobs:
+            self._gather_prompt_logprobs(handle.plan.prefill[0], *prompt_outputs)
         for i, row in handle.output_rows():
             if getattr(row, "is_last", True):
                 top = (None, None) if top_ids is None else (top_ids[i], top_lp[i])
                 self._accept(row.request_id, int(tokens[i]), float(chosen[i]), *top)
 
+    def _gather_prompt_logprobs(self, chunk, logprobs, ranks, top_ids, top_lp) -> None:
+        """A prompt-logprobs step's results: position j of the chunk scored prompt token `chunk.targets[j]`."""
+        gen = self.generations.get(chunk.request_id)
+        if gen is None:
+            return  # retired while this step was in flight
+        n = gen.params.prompt_logprobs
+        for j, token in enumerate(chunk.targets):
+            top = [(int(i), float(v)) for i, v in zip(top_ids[j, :n], top_lp[j, :n], strict=True)]
+            gen.prompt_logprobs.append(TokenLogprob(token, float(logprobs[j]), top, int(ranks[j])))
+
     def _accept(self, request_id: str, token: int, logprob: float, top_ids, top_lp) -> None:
         gen = self.generations.get(request_id)
         if gen is None:
             return  # retired while this step was in flight
+        if gen.params.max_tokens == 0:  # the prompt alone was asked for: the token its last chunk picked is no output
+            self._finish(request_id, "length", emit=True)
+            return
         gen.output_ids.append(token)
         reason = self._finish_reason(gen, token)
         text, stopped = self._text_delta(gen, token, reason)
@@ -279,6 +310,8 @@ class Engine:
     def _emit(self, gen: Generation, output: RequestOutput) -> None:
         output.num_prompt_tokens = gen.request.num_prompt_tokens
         output.num_output_tokens = len(gen.output_ids)
+        if gen.params.prompt_logprobs is not None and not gen.prompt_logprobs_sent:
+            output.prompt_logprobs, gen.prompt_logprobs_sent = gen.prompt_logprobs, True
         try:
             gen.on_output(output)
         except Exception:  # a consumer's failure must not stop the engine

@@ -37,6 +37,10 @@ class EngineConfig:
     # chunk within it on the H200, which halves the mixed-load ITL p99 of `off` (docs/overlap.md).
     overlap_step_bound: float = 3.0
     num_top_logprobs: int = 20
+    # The largest chunk of a prompt-logprobs step (echo with logprobs, prompt_logprobs), whose programs make the
+    # logits of every chunk position ([T, vocab] fp32 scratch: 254 MB at T = 256 and the 4B vocabulary); 0 builds
+    # none, and such requests get a 400.
+    prompt_logprobs_chunk: int = 0
     compile_cache: str | None = str(DEFAULT_COMPILE_CACHE)
 
     def __post_init__(self):
@@ -53,6 +57,10 @@ class EngineConfig:
             (isinstance(self.overlap_step_bound, (int, float)) and not isinstance(self.overlap_step_bound, bool)
              and self.overlap_step_bound >= 1.0,
              f"--overlap-step-bound must be a number >= 1.0, got {self.overlap_step_bound!r}"),
+            (isinstance(self.prompt_logprobs_chunk, int) and not isinstance(self.prompt_logprobs_chunk, bool)
+             and 0 <= self.prompt_logprobs_chunk <= self.max_prefill_tokens,
+             f"--prompt-logprobs-chunk must be an integer in [0, --max-prefill-tokens = {self.max_prefill_tokens}], "
+             f"got {self.prompt_logprobs_chunk!r}"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -110,20 +118,23 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         spec.num_pages, spec.page_size, spec.num_pages * bytes_per_page(model.config, spec.page_size, model.dtype) / 2**30,
         spec.num_slots, spec.num_slots * bytes_per_slot(model.config, model.dtype) / 2**30,
     )  # fmt: skip
-    buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks)
+    buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks,
+                                 config.prompt_logprobs_chunk)  # fmt: skip
     runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
                     config.num_top_logprobs, decode_overlap=config.decode_overlap)  # fmt: skip
     scheduler = Scheduler(SchedulerConfig(
         max_batch=config.max_batch, max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,
         num_pages=spec.num_pages, num_slots=spec.num_slots, max_model_len=config.max_model_len,
         policy=config.scheduler_policy, decode_overlap=config.decode_overlap,
-        max_prefill_chunks=config.max_prefill_chunks,
+        max_prefill_chunks=config.max_prefill_chunks, prompt_logprobs_chunk=config.prompt_logprobs_chunk,
     ))  # fmt: skip
     if compile_now:
         seconds = runner.compile_all(progress)
-        log.info("compiled %d step programs and %d row programs in %.1fs (wall; %.1fs summed over programs)",
-                 runner.num_compiles, runner.num_row_compiles, seconds,
-                 sum(runner.compile_seconds.values()) + sum(runner.row_compile_seconds.values()))  # fmt: skip
+        summed = sum(runner.compile_seconds.values()) + sum(runner.row_compile_seconds.values())
+        summed += sum(runner.prompt_compile_seconds.values())
+        log.info("compiled %d step programs, %d row programs and %d prompt-logprobs programs in %.1fs (wall; %.1fs "
+                 "summed over programs)", runner.num_compiles, runner.num_row_compiles, runner.num_prompt_compiles,
+                 seconds, summed)  # fmt: skip
         if config.decode_overlap == "stream":
             scheduler.overlap_budget = overlap_budget(runner, config.overlap_step_bound)
     return Engine(runner, scheduler, model.tokenizer, model.config.eos_token_ids)

@@ -6,6 +6,8 @@ OpenAI does); chat entries also carry each token's raw bytes, which byte-level B
 
 from __future__ import annotations
 
+import dataclasses
+
 from qwen35_jax.serving.engine import TokenLogprob
 from qwen35_jax.serving.protocol import finite_logprob
 
@@ -67,6 +69,29 @@ class LogprobFormatter:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
+    def echoed_prompt(self, prompt_ids: list[int], entries: list[TokenLogprob], texts: tuple[str, ...], n: int) -> dict:
+        """An echoed prompt in the completions shape, offsets from 0: its first token with null logprob and null top
+        (nothing precedes it to score it in, as in OpenAI's and vLLM's), then each later token as `completion` lays
+        out output tokens, with its top `n`. `entries` score prompt_ids[1:]; `texts[i]`: the text token i adds."""
+        scored = [dataclasses.replace(entry, top=entry.top[:n]) for entry in entries]
+        rest = self.completion(scored, list(texts[1:]), len(texts[0]))
+        first = {"tokens": [self.token_text(prompt_ids[0])], "token_logprobs": [None], "top_logprobs": [None],
+                 "text_offset": [0]}  # fmt: skip
+        return joined(first, rest)
+
+    def prompt_logprobs(self, entries: list[TokenLogprob], n: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: {logprob, rank,
+        decoded_token}} for the token itself and the top n."""
+        out: list[dict | None] = [None]
+        for entry in entries:
+            ranked = {entry.token_id: (entry.logprob, entry.rank)}
+            for rank, (token_id, logprob) in enumerate(entry.top[:n], start=1):
+                ranked.setdefault(token_id, (logprob, rank))
+            out.append({str(token_id): {"logprob": finite_logprob(logprob), "rank": rank,
+                                        "decoded_token": self.token_text(token_id)}
+                        for token_id, (logprob, rank) in ranked.items()})  # fmt: skip
+        return out
+
     def chat(self, entries: list[TokenLogprob]) -> dict:
         return {"content": [self._chat_entry(entry) for entry in entries]}
 
@@ -77,6 +102,11 @@ class LogprobFormatter:
     def _chat_token(self, token_id: int, logprob: float) -> dict:
         return {"token": self.token_text(token_id), "logprob": finite_logprob(logprob),
                 "bytes": self.token_bytes(token_id)}  # fmt: skip
+
+
+def joined(first: dict, second: dict) -> dict:
+    """Two runs of completions logprobs, one after the other (the second's text_offset already continues the first)."""
+    return {key: first[key] + second[key] for key in first}
 
 
 def _is_byte_level(tokenizer) -> bool:

@@ -64,6 +64,9 @@ class PrefillChunk:
     page_ids: tuple[int, ...]
     # This chunk completes the prompt: sample the first output token from its last position's logits.
     is_last: bool
+    # In a prompt-logprobs step: the prompt tokens [start + 1, end + 1) whose logprobs the chunk's positions
+    # return, one per position (the last chunk's has one fewer: its last position predicts the first output token).
+    targets: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -86,10 +89,14 @@ class StepPlan:
     action: str
     # Prefill token budget the policy granted this step; `num_prefill_tokens <= budget`.
     budget: int
+    # A prompt-logprobs step: one chunk and no decode rows, whose program also returns the logprob of every next
+    # prompt token (`PrefillChunk.targets`).
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
         assert self.action in STEP_ACTIONS, self.action
         assert self.num_prefill_tokens <= self.budget
+        assert not self.prompt_logprobs or (not self.decode and len(self.prefill) == 1)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -119,8 +126,10 @@ class Request:
 
     request_id: str
     prompt_ids: list[int]
-    # Output tokens to sample at most (the length limit).
+    # Output tokens to sample at most (the length limit); 0: the prompt is only fed (its logprobs are the answer).
     max_tokens: int
+    # The logprobs of the prompt's tokens are returned: each of its chunks runs in a prompt-logprobs step.
+    prompt_logprobs: bool = False
     # Prompt tokens already fed into the caches (counted when the chunk's step is launched).
     num_computed_tokens: int = 0
     # Output tokens sampled so far, counted when the step that samples them is launched: the host

@@ -20,6 +20,7 @@ from qwen35_jax.serving.errors import APIError
 from qwen35_jax.serving.parsers import THINK_END, THINK_START, TOOL_START, OutputParser
 from qwen35_jax.serving.scheduler import RequestRejected
 from qwen35_jax.serving.server_config import ServerConfig
+from qwen35_jax.tokenizer import IncrementalDetokenizer
 
 ASSISTANT_TURN = "<|im_start|>assistant"  # where the answer starts in a Qwen chat prompt
 
@@ -43,9 +44,21 @@ class Prepared:
     sample: int = 0  # which of the n samples of its prompt (the prompt's tokens count once, with sample 0)
 
     output_format: OutputFormat | None = None  # chat: how its text splits into reasoning, content and tool calls
+    echo: EchoedPrompt | None = None  # completions with echo: the prompt the answer starts with
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the choice's field of that name, with this top-N
 
     def __post_init__(self):
         self.response_id = self.response_id or self.request_id
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoedPrompt:
+    """The prompt as an echoing answer repeats it: a text prompt as sent, a token-id prompt decoded (special
+    tokens kept), and the text each prompt token adds, for the logprobs' `text_offset` (they index the decoded
+    prompt, which is the text as sent whenever the tokenizer gives it back unchanged)."""
+
+    text: str
+    token_texts: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +83,45 @@ class RequestPreparer:
     async def completion(self, request: api.CompletionRequest) -> list[Prepared]:
         """One `Prepared` per choice: each prompt of a batch, n times."""
         self.check_request(request)
-        prompts = await self.completion_prompts(request)
+        if request.echo:
+            self._need_tokenizer("echo")
+        prompt_logprobs = self._prompt_logprobs(request)
+        texts, prompts = await self.completion_prompts(request)
         params = [self.generation_params(request, len(ids), request.max_tokens,
-                                         self.config.default_completion_max_tokens, request.logprobs)
+                                         self.config.default_completion_max_tokens, request.logprobs, prompt_logprobs)
                   for ids in prompts]  # fmt: skip
-        return self._choices(f"cmpl-{uuid.uuid4().hex}", request, prompts, params)
+        choices = self._choices(f"cmpl-{uuid.uuid4().hex}", request, prompts, params)
+        if request.prompt_logprobs is not None:
+            choices = [dataclasses.replace(choice, prompt_logprobs=request.prompt_logprobs) for choice in choices]
+        if not request.echo:
+            return choices
+        echoes = [await asyncio.to_thread(self._echoed, text, ids) for text, ids in zip(texts, prompts, strict=True)]
+        n = request.n or 1
+        return [dataclasses.replace(choice, echo=echoes[choice.index // n]) for choice in choices]
+
+    def _echoed(self, text: str | None, ids: list[int]) -> EchoedPrompt:
+        """`text`: the prompt as sent, None for token ids."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
+        token_texts = [detokenizer.push(token) for token in ids]
+        token_texts[-1] += detokenizer.flush()
+        return EchoedPrompt("".join(token_texts) if text is None else text, tuple(token_texts))
+
+    def _prompt_logprobs(self, request: api.CompletionRequest) -> int | None:
+        """The top-N the engine returns at each prompt token: for echo with logprobs and for vLLM's prompt_logprobs,
+        the larger of the two (each answer keeps its own N); None when neither asks."""
+        wanted = {"prompt_logprobs": request.prompt_logprobs, "logprobs": request.logprobs if request.echo else None}
+        wanted = {param: n for param, n in wanted.items() if n is not None}
+        if not wanted:
+            return None
+        param = next(iter(wanted))
+        if not self.config.prompt_logprobs:
+            raise APIError(400, f"{param}: prompt logprobs (echo with logprobs, prompt_logprobs) are off on this "
+                                "server; start it with --prompt-logprobs-chunk N (e.g. 256)", param,
+                           "unsupported_parameter")  # fmt: skip
+        if wanted.get("prompt_logprobs", 0) > self.config.max_logprobs:
+            raise APIError(400, f"at most {self.config.max_logprobs} prompt_logprobs per token, got "
+                                f"{request.prompt_logprobs}", "prompt_logprobs")  # fmt: skip
+        return max(wanted.values())
 
     async def chat(self, request: api.ChatCompletionRequest) -> list[Prepared]:
         self.check_request(request)
@@ -136,13 +183,14 @@ class RequestPreparer:
                                 "list of token ids to /v1/completions", param)  # fmt: skip
 
     # ---- prompts -----------------------------------------------------------------------------------------
-    async def completion_prompts(self, request: api.CompletionRequest) -> list[list[int]]:
-        """The token ids of each prompt: a string, a list of ids, or a batch (a list of either)."""
+    async def completion_prompts(self, request: api.CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
+        """Each prompt as sent (None for token ids) and its token ids: a string, a list of ids, or a batch (a list of
+        either)."""
         prompt = request.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
         if not batch:
             raise APIError(400, "the prompt list is empty", "prompt")
-        prompts = []
+        texts, prompts = [], []
         for one in batch:
             if isinstance(one, list):
                 ids = list(one)
@@ -151,8 +199,9 @@ class RequestPreparer:
                 _require_unicode(one, "prompt")
                 ids = await asyncio.to_thread(self.tokenizer.encode, one)
             self.check_prompt(ids, "prompt")
+            texts.append(None if isinstance(one, list) else one)
             prompts.append(ids)
-        return prompts
+        return texts, prompts
 
     async def chat_prompt(self, request: api.ChatCompletionRequest) -> tuple[list[int], OutputFormat]:
         """The prompt's ids, rendered by the checkpoint's chat template with the request's tools, and the format
@@ -187,7 +236,8 @@ class RequestPreparer:
 
     # ---- parameters --------------------------------------------------------------------------------------
     def generation_params(self, request: api.SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
-                          default_max_tokens: int, logprobs: int | None) -> GenerationParams:  # fmt: skip
+                          default_max_tokens: int, logprobs: int | None,
+                          prompt_logprobs: int | None = None) -> GenerationParams:  # fmt: skip
         max_tokens = self._max_tokens(num_prompt_tokens, max_tokens, default_max_tokens)
         if logprobs is not None and logprobs > self.config.max_logprobs:
             raise APIError(400, f"at most {self.config.max_logprobs} logprobs per token, got {logprobs}", "logprobs")
@@ -198,6 +248,7 @@ class RequestPreparer:
         return GenerationParams(
             max_tokens=max_tokens, sampling=self._sampling(request), stop=request.stop_strings(),
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
     def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, default_max_tokens: int) -> int:
@@ -221,6 +272,7 @@ class RequestPreparer:
             seed=secrets.randbits(63) if request.seed is None else request.seed,
             logit_bias=self._logit_bias(request.logit_bias or {}),
             presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         )  # fmt: skip
 
     def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:

@@ -2,8 +2,8 @@
 
 Requests are strict (no "5" for 5) and forbid unknown fields, so a misspelt or unsupported parameter is a
 400 that names it instead of being silently ignored. Parameters that OpenAI clients send with a neutral
-value (`n=1`, `echo=false`, zero penalties, ...) are declared so that the neutral value passes; any other
-value is refused by `unsupported_params`. The value ranges here are those of the OpenAI API; limits that
+value (`best_of=1`, an empty `suffix`) are declared so that the neutral value passes; any other value is
+refused by `unsupported_params`. The value ranges here are those of the OpenAI API; limits that
 depend on the served model (vocabulary, context length, logprob count) are checked in prompts.py.
 """
 
@@ -61,10 +61,9 @@ class SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] | None = None
-    # Accepted only at their neutral values (see `unsupported_params`).
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: float | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None  # vLLM's; 1 is neutral
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -73,12 +72,8 @@ class SamplingFields(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-def _neutral_problems(request: SamplingFields) -> list[tuple[str, str]]:
+def _shared_problems(request: SamplingFields) -> list[tuple[str, str]]:
     problems = []
-    if request.repetition_penalty is not None and request.repetition_penalty != 1:
-        problems.append(
-            ("repetition_penalty", f"repetition_penalty={request.repetition_penalty} is not supported (use 1)")
-        )
     if request.stream_options is not None and not request.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
     return problems
@@ -86,8 +81,12 @@ def _neutral_problems(request: SamplingFields) -> list[tuple[str, str]]:
 
 class CompletionRequest(SamplingFields):
     prompt: str | Annotated[list[Int], Field(min_length=1)] | list[str] | list[list[Int]]
+    max_tokens: Annotated[Int, Field(ge=0)] | None = None  # 0 only with echo: the prompt alone, scored
     logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # The answer starts with the prompt; with logprobs, so do its logprobs (the first prompt token's are null).
     echo: bool | None = None
+    # vLLM's: top-N logprobs at every prompt token, in the choice's `prompt_logprobs`.
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Int | None = None
     suffix: str | None = None
 
@@ -157,10 +156,10 @@ class ChatCompletionRequest(SamplingFields):
 
 def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, str]]:
     """(param, message) for every parameter set to a value this server does not implement."""
-    problems = _neutral_problems(request)
+    problems = _shared_problems(request)
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            problems.append(("echo", "echo=true is not supported"))
+        if request.max_tokens == 0 and not request.echo:
+            problems.append(("max_tokens", "max_tokens=0 needs echo=true (the answer is then the prompt alone)"))
         if request.best_of not in (None, 1):
             problems.append(("best_of", f"best_of={request.best_of} is not supported (use 1)"))
         if request.suffix:
@@ -191,9 +190,15 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # null: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -201,6 +206,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, by token id
 
 
 class CompletionResponse(BaseModel):

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 
 from qwen35_jax.serving.engine import RequestOutput, TokenLogprob
 from qwen35_jax.serving.errors import APIError
-from qwen35_jax.serving.logprobs import LogprobFormatter
+from qwen35_jax.serving.logprobs import LogprobFormatter, joined
 from qwen35_jax.serving.parsers import OutputParser
-from qwen35_jax.serving.prompts import Prepared
+from qwen35_jax.serving.prompts import EchoedPrompt, Prepared
 from qwen35_jax.serving.submission import Submission
 
 # A streamed chat answer opens with the assistant's role and no text, as OpenAI's does.
@@ -46,6 +46,7 @@ class Collected:
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
         self.logprob_texts: list[str] = []  # the text each token of `logprobs` added
+        self.prompt_logprobs: list[TokenLogprob] = []
         self.last: RequestOutput | None = None
 
     @classmethod
@@ -57,6 +58,7 @@ class Collected:
             if output.logprobs:
                 collected.logprobs.extend(output.logprobs)
                 collected.logprob_texts.extend(texts_per_token(output))
+            collected.prompt_logprobs.extend(output.prompt_logprobs or ())
             collected.last = output
         error = finish_error(collected.last)
         if error is not None:
@@ -93,11 +95,27 @@ class ResponseBuilder:
                 "model": self.model_name, "choices": choices, "usage": usage(finished)}  # fmt: skip
 
     def _completion_choice(self, prepared: Prepared, collected: Collected) -> dict:
+        output = RequestOutput(prepared.request_id, [], "".join(collected.text), collected.logprobs,
+                               collected.last.finish_reason, prompt_logprobs=collected.prompt_logprobs)  # fmt: skip
+        return self._completion_text(prepared, output, collected.logprob_texts, 0, prepared.echo)
+
+    def _completion_text(self, prepared: Prepared, output: RequestOutput, texts: list[str], offset: int,
+                         echo: EchoedPrompt | None) -> dict:  # fmt: skip
+        """A completions choice of `output`, whose tokens added `texts`, at `offset` in the answer's text; led by the
+        echoed prompt (its text, and with logprobs its tokens') when `echo` is given."""
         logprobs = None
-        if prepared.params.logprobs is not None:
-            logprobs = self.logprobs.completion(collected.logprobs, collected.logprob_texts, 0)
-        return {"index": prepared.index, "text": "".join(collected.text), "logprobs": logprobs,
-                "finish_reason": collected.last.finish_reason}  # fmt: skip
+        start = offset + (len(echo.text) if echo is not None else 0)
+        if prepared.params.logprobs is not None and (output.logprobs or echo is not None):
+            logprobs = self.logprobs.completion(output.logprobs or [], texts, start)
+            if echo is not None:
+                prompt = self.logprobs.echoed_prompt(prepared.prompt_ids, output.prompt_logprobs or [],
+                                                     echo.token_texts, prepared.params.logprobs)  # fmt: skip
+                logprobs = joined(prompt, logprobs)
+        choice = {"index": prepared.index, "text": (echo.text if echo is not None else "") + output.text,
+                  "logprobs": logprobs, "finish_reason": output.finish_reason}  # fmt: skip
+        if prepared.prompt_logprobs is not None and output.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.logprobs.prompt_logprobs(output.prompt_logprobs, prepared.prompt_logprobs)
+        return choice
 
     def _chat_choice(self, prepared: Prepared, collected: Collected) -> dict:
         logprobs = None
@@ -152,7 +170,7 @@ class ResponseBuilder:
         """One choice's chunks onto `queue`: ("chunk", choice), then ("done", (prepared, last output)), or
         ("error", APIError) for a choice the engine failed."""
         prepared = submission.prepared
-        offset, last = 0, None
+        offset, last, echo = 0, None, prepared.echo  # the first chunk echoes the prompt, as vLLM's does
         parser = prepared.output_format.parser() if chat and prepared.output_format is not None else None
         try:
             if chat:
@@ -165,14 +183,15 @@ class ResponseBuilder:
                 # An aborted stream (server shutdown) still ends with a chunk that carries its finish reason.
                 # One chunk per token, even when its text is empty (it ends inside a multi-byte character), so
                 # that clients can time every token.
-                queue.put_nowait(("chunk", self._stream_choice(prepared, output, chat, offset, parser)))
-                offset += len(output.text)
+                queue.put_nowait(("chunk", self._stream_choice(prepared, output, chat, offset, parser, echo)))
+                offset += len(output.text) + (len(echo.text) if echo is not None else 0)
+                echo = None
             queue.put_nowait(("done", (prepared, last)))
         except APIError as error:
             queue.put_nowait(("error", error))
 
     def _stream_choice(self, prepared: Prepared, output: RequestOutput, chat: bool, offset: int,
-                       parser: OutputParser | None = None) -> dict:  # fmt: skip
+                       parser: OutputParser | None = None, echo: EchoedPrompt | None = None) -> dict:  # fmt: skip
         with_logprobs = prepared.params.logprobs is not None and bool(output.logprobs)
         if chat:
             logprobs = self.logprobs.chat(output.logprobs) if with_logprobs else None
@@ -182,9 +201,8 @@ class ResponseBuilder:
             else:
                 delta, finish_reason = self._parsed_delta(parser, output)
             return {"index": prepared.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        logprobs = self.logprobs.completion(output.logprobs, texts_per_token(output), offset) if with_logprobs else None
-        return {"index": prepared.index, "text": output.text, "logprobs": logprobs,
-                "finish_reason": output.finish_reason}  # fmt: skip
+        texts = texts_per_token(output) if with_logprobs else []
+        return self._completion_text(prepared, output, texts, offset, echo)
 
     @staticmethod
     def _parsed_delta(parser: OutputParser, output: RequestOutput) -> tuple[dict, str | None]:

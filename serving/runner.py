@@ -13,8 +13,13 @@ A step program picks each row's greedy token and its logprob. Two small "row pro
 count (B + P) follow it when the host, from the requests, knows they are needed: the sampler, when a row
 samples (temperature > 0), draws those rows' tokens from the step's logits and overwrites them in
 `token_state`; the top-logprobs program, when a row asks for top logprobs, runs the full-vocabulary top-k
-(a sort in XLA) that other steps skip. Nothing in any program depends on a device value the host must
-read: a `lax.cond` on "does any row sample" made XLA's GPU runtime wait for the device inside every launch.
+(a sort in XLA) that other steps skip. A third, `mark_prompt` (one program), records the prompt tokens of
+requests with a repetition penalty before the sampler reads them. Nothing in any program depends on a device
+value the host must read: a `lax.cond` on "does any row sample" made XLA's GPU runtime wait for the device inside
+every launch.
+
+A prompt-logprobs step (`StepPlan.prompt_logprobs`: one chunk, no decode rows) runs its own program, one per chunk
+bucket up to `--prompt-logprobs-chunk` (none by default): the prefill step that also scores every prompt token.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from qwen35_jax.cache import CacheSpec, new_cache
 from qwen35_jax.kernels import Mixers, region_mixers
 from qwen35_jax.model import ModelDef, forward
 from qwen35_jax.sampling import MAX_LOGIT_BIAS
-from qwen35_jax.serving.device_sampling import SamplingRows, greedy, resample, top_logprobs
+from qwen35_jax.serving.device_sampling import SamplingRows, greedy, prompt_token_logprobs, resample, top_logprobs
 from qwen35_jax.serving.plan import StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE
 
@@ -64,18 +69,24 @@ class Buckets:
     decode: tuple[int, ...]  # decode rows per step
     prefill_rows: tuple[int, ...]  # prefill chunks per step
     chunk: tuple[int, ...]  # tokens per prefill chunk
+    prompt_logprobs_chunk: tuple[int, ...] = ()  # tokens per chunk of a prompt-logprobs step (none: no such step)
 
     @classmethod
-    def for_limits(cls, max_batch: int, max_prefill_tokens: int, max_prefill_chunks: int) -> Buckets:
+    def for_limits(cls, max_batch: int, max_prefill_tokens: int, max_prefill_chunks: int,
+                   prompt_logprobs_chunk: int = 0) -> Buckets:  # fmt: skip
+        scored = power_of_two_buckets(prompt_logprobs_chunk, smallest=min(16, prompt_logprobs_chunk))
         return cls(
             decode=power_of_two_buckets(max_batch),
             prefill_rows=power_of_two_buckets(max_prefill_chunks),
             chunk=power_of_two_buckets(max_prefill_tokens, smallest=min(16, max_prefill_tokens)),
+            prompt_logprobs_chunk=scored if prompt_logprobs_chunk else (),
         )
 
     def row_programs(self) -> list[tuple[str, int]]:
-        """(kind, output rows B + P) of every row program: a sampler and a top-logprobs program per row count."""
-        return [(kind, r) for kind in ROW_PROGRAMS for r in sorted({b + p for b, p, _ in self.keys()})]
+        """(kind, rows) of every row program: a sampler and a top-logprobs program per output row count B + P, and
+        the prompt-token marker over the most prompt tokens a step carries."""
+        rows = sorted({b + p for b, p, _ in self.keys()})
+        return [(kind, r) for kind in ROW_PROGRAMS for r in rows] + [(MARK_PROMPT, self.chunk[-1])]
 
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (B, P, T) program: decode-only, prefill-only and unified."""
@@ -85,6 +96,9 @@ class Buckets:
         return decode + prefill + unified
 
     def key_for(self, plan: StepPlan) -> tuple[int, int, int]:
+        """(B, P, T) of the plan's program; a prompt-logprobs step's is (0, 1, T) in `prompt_logprobs_chunk`."""
+        if plan.prompt_logprobs:
+            return 0, 1, bucket_for(len(plan.prefill[0].token_ids), self.prompt_logprobs_chunk)
         b = bucket_for(plan.num_decode_rows, self.decode) if plan.decode else 0
         if not plan.prefill:
             return b, 0, 0
@@ -92,11 +106,29 @@ class Buckets:
         return b, bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, self.chunk)
 
 
-ROW_PROGRAMS = ("sample", "top")
+ROW_PROGRAMS = ("sample", "top")  # one of each per output row count
+MARK_PROMPT = "mark_prompt"  # one program: its shapes are the step's largest prefill (tokens and chunks)
 
 
 def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, streams: bool, param_leaves, *args):
     return engine_step(model, mixer_set, jax.tree.unflatten(treedef, param_leaves), *args, streams=streams)
+
+
+def _prompt_step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, num_top: int, param_leaves, *args):
+    return prompt_logprobs_step(model, mixer_set, num_top, jax.tree.unflatten(treedef, param_leaves), *args)
+
+
+def prompt_logprobs_step(model: ModelDef, mixer_set: Mixers, num_top: int, params, cache, token_state, inputs,
+                         targets):  # fmt: skip
+    """engine_step for one prefill chunk (P = 1, no decode rows) that also scores the prompt: the logits of every
+    position are made, and each position returns the logprob and rank of the next prompt token (`targets` [T])
+    and the top `num_top` logprobs. Only [T] and [T, num_top] arrays leave the program, never the [T, vocab]
+    logits. Returns engine_step's four outputs, then (logprobs, ranks, top ids, top logprobs)."""
+    logits, cache = forward(model, params, cache, inputs, mixer_set, all_prefill_logits=True)  # [T, vocab]
+    last = logits[inputs.prefill.last_index]  # [1, vocab]: the first output token's, if this is the last chunk
+    tokens, chosen = greedy(last)
+    token_state = token_state.at[inputs.prefill.slots].set(tokens)
+    return cache, token_state, (tokens, chosen), last, prompt_token_logprobs(logits, targets, num_top)
 
 
 def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, inputs, streams=False):
@@ -117,17 +149,26 @@ def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, 
     return cache, token_state, (tokens, chosen), logits
 
 
-def sampler_step(logits, rows: SamplingRows, token_state, output_counts, slots, tokens):
+def sampler_step(logits, rows: SamplingRows, token_state, output_counts, prompt_mask, slots, tokens):
     """The draw for the sampled rows of a step (greedy rows keep `tokens`, unless penalties or a logit_bias move
     their argmax); the tokens go into token_state at `slots` (the step's rows, padding rows at the trash slot),
-    and into each row's output-token counts, which the penalties read. A request's first output token
-    (output_index 0) starts its slot's counts from zero; a chunk that samples nothing (output_index -1) leaves them.
+    and into each row's output-token counts, which the penalties read beside the slot's prompt tokens
+    (`prompt_mask`, read only). A request's first output token (output_index 0) starts its slot's counts from
+    zero; a chunk that samples nothing (output_index -1) leaves them.
     -> (token_state, output_counts, tokens, logprobs)"""
     counts = output_counts[slots] * (rows.output_index[:, None] > 0)
-    tokens, chosen = resample(logits, rows, tokens, counts)
+    tokens, chosen = resample(logits, rows, tokens, counts, prompt_mask[slots])
     counts = counts.at[jnp.arange(tokens.shape[0]), tokens].add(1)
     counts = jnp.where(rows.output_index[:, None] >= 0, counts, output_counts[slots])
     return token_state.at[slots].set(tokens), output_counts.at[slots].set(counts), tokens, chosen
+
+
+def mark_prompt_tokens(prompt_mask, fresh_slots, token_slots, token_ids):
+    """prompt_mask [slots, V] bool, which tokens each slot's prompt holds (for the repetition penalty): the rows
+    of `fresh_slots` (chunks that start a prompt; padding: the trash slot) are cleared, then each prompt token
+    `token_ids[i]` is set in row `token_slots[i]` (padding: token 0 of the trash slot)."""
+    prompt_mask = prompt_mask.at[fresh_slots].set(False)
+    return prompt_mask.at[token_slots, token_ids].set(True)
 
 
 @dataclasses.dataclass
@@ -138,6 +179,8 @@ class StepHandle:
     key: tuple[int, int, int]  # the bucket (B, P, T): prefill rows' outputs start at index B
     outputs: tuple
     launched_at: float
+    # A prompt-logprobs step's (logprobs [T], ranks [T], top ids [T, N], top logprobs [T, N]); () for other steps.
+    prompt_outputs: tuple = ()
 
     def output_rows(self):
         """(output row index, plan row) for every decode row and prefill chunk of the plan."""
@@ -148,6 +191,10 @@ class StepHandle:
         """Blocks until the step is done; (tokens [R], logprob [R], top ids [R, N], top logprobs [R, N]), the
         top ones None when no row of the step asked for top logprobs."""
         return tuple(None if x is None else np.asarray(x) for x in self.outputs)
+
+    def fetch_prompt_logprobs(self) -> tuple[np.ndarray, ...]:
+        """Blocks until the step is done; `prompt_outputs` on the host."""
+        return tuple(np.asarray(x) for x in self.prompt_outputs)
 
 
 def annotates_streams(decode_overlap: str, platform: str | None = None) -> bool:
@@ -169,21 +216,29 @@ class Runner:
         self.trash_slot = spec.num_slots - 1
         self.cache = new_cache(model_def.cfg, spec, model_def.dtype)
         self.token_state = jnp.zeros(spec.num_slots, jnp.int32)
-        # Each slot's output-token counts, for presence/frequency penalties (kept by the sampler program).
+        # Each slot's output-token counts, for the penalties (kept by the sampler program), and which tokens its
+        # prompt holds, for the repetition penalty (set by the mark_prompt program from the chunks of the requests
+        # that have one; other slots' rows are stale, and neutral to a penalty of 1).
         self.output_counts = jnp.zeros((spec.num_slots, model_def.cfg.vocab_size), jnp.int32)
+        self.prompt_mask = jnp.zeros((spec.num_slots, model_def.cfg.vocab_size), jnp.bool_)
         self.executables: dict[tuple[int, int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self.temp_bytes: dict[tuple[int, int, int], int] = {}  # device scratch of each program
-        self.row_executables: dict[tuple[str, int], object] = {}  # by (ROW_PROGRAMS kind, output rows B + P)
+        self.row_executables: dict[tuple[str, int], object] = {}  # by `Buckets.row_programs` key
         self.row_compile_seconds: dict[tuple[str, int], float] = {}
+        self.prompt_executables: dict[int, object] = {}  # prompt-logprobs step programs, by chunk bucket T
+        self.prompt_compile_seconds: dict[int, float] = {}
         # The programs take the weights as a flat list: flattening the nnx tree runs Python per variable, which
         # at 4B with per-group weights (426 arrays) cost ~0.35 ms of host time per step.
         self._param_leaves, treedef = jax.tree.flatten(params)
         # Only programs with both sides differ under `streams` (model.forward), so one jit serves every key.
         self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set, self.streams),
                                donate_argnums=(1, 2))  # fmt: skip
+        self._prompt_jitted = jax.jit(partial(_prompt_step_on_leaves, treedef, model_def, mixer_set, num_top_logprobs),
+                                      donate_argnums=(1, 2))  # fmt: skip
         self._row_jitted = {"sample": jax.jit(sampler_step, donate_argnums=(2, 3)),
-                            "top": jax.jit(partial(top_logprobs, num_top=num_top_logprobs))}  # fmt: skip
+                            "top": jax.jit(partial(top_logprobs, num_top=num_top_logprobs)),
+                            MARK_PROMPT: jax.jit(mark_prompt_tokens, donate_argnums=0)}  # fmt: skip
 
     @property
     def num_compiles(self) -> int:
@@ -193,6 +248,11 @@ class Runner:
     @property
     def num_row_compiles(self) -> int:
         return len(self.row_compile_seconds)
+
+    @property
+    def num_prompt_compiles(self) -> int:
+        """Prompt-logprobs step programs compiled."""
+        return len(self.prompt_compile_seconds)
 
     # ---- inputs ------------------------------------------------------------------------------------------
     def _page_table(self, rows: list[tuple[int, ...]], pad_to: int) -> np.ndarray:
@@ -238,17 +298,25 @@ class Runner:
     def _lower(self, key):
         return self._jitted.lower(self._param_leaves, self.cache, self.token_state, self._abstract_inputs(key))
 
+    def _lower_prompt_program(self, t: int):
+        targets = jax.ShapeDtypeStruct((t,), jnp.int32)
+        return self._prompt_jitted.lower(self._param_leaves, self.cache, self.token_state,
+                                         self._abstract_inputs((0, 1, t)), targets)  # fmt: skip
+
     def _lower_row_program(self, key: tuple[str, int]):
         kind, r = key
         i32, f32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32), partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
         logits = f32((r, self.model_def.cfg.vocab_size))
         if kind == "top":
             return self._row_jitted["top"].lower(logits, i32((r,)))
+        if kind == MARK_PROMPT:
+            return self._row_jitted[MARK_PROMPT].lower(self.prompt_mask, i32((self.buckets.prefill_rows[-1],)),
+                                                       i32((r,)), i32((r,)))  # fmt: skip
         u32 = jax.ShapeDtypeStruct((r,), jnp.uint32)
         rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)), u32, u32, i32((r,)),
-                            i32((r, MAX_LOGIT_BIAS)), f32((r, MAX_LOGIT_BIAS)), f32((r,)), f32((r,)))  # fmt: skip
-        return self._row_jitted["sample"].lower(logits, rows, self.token_state, self.output_counts, i32((r,)),
-                                                i32((r,)))  # fmt: skip
+                            i32((r, MAX_LOGIT_BIAS)), f32((r, MAX_LOGIT_BIAS)), f32((r,)), f32((r,)), f32((r,)))  # fmt: skip
+        return self._row_jitted["sample"].lower(logits, rows, self.token_state, self.output_counts, self.prompt_mask,
+                                                i32((r,)), i32((r,)))  # fmt: skip
 
     def _timed_compile(self, lowered, lower_seconds: float) -> tuple[object, float]:
         """XLA's compile of a lowered program; (executable, lower + compile seconds)."""
@@ -287,6 +355,19 @@ class Runner:
     def compile(self, key) -> object:
         return self._lower_and_compile(key, self._lower, self._compile_lowered)
 
+    def _compile_prompt_lowered(self, t: int, lowered, lower_seconds: float) -> object:
+        executable, self.prompt_compile_seconds[t] = self._timed_compile(lowered, lower_seconds)
+        self.prompt_executables[t] = executable
+        log.info("compiled prompt-logprobs step T=%d in %.2fs", t, self.prompt_compile_seconds[t])
+        return executable
+
+    def prompt_program(self, t: int) -> object:
+        """The compiled prompt-logprobs step of chunk bucket t (compiled now if it was not: a test asserts that
+        serving never does)."""
+        if t not in self.prompt_executables:
+            self._lower_and_compile(t, self._lower_prompt_program, self._compile_prompt_lowered)
+        return self.prompt_executables[t]
+
     def compile_all(self, progress=None, workers: int | None = None) -> float:
         """Compiles every bucket not compiled yet and returns the wall seconds it took. Tracing and lowering
         run here, one program after another (they hold the GIL); XLA's compiles, which release it, run in
@@ -298,6 +379,8 @@ class Runner:
         rows = [key for key in self.buckets.row_programs() if key not in self.row_executables]
         jobs = [(key, self._lower, self._compile_lowered) for key in keys]
         jobs += [(key, self._lower_row_program, self._compile_row_lowered) for key in rows]
+        scored = [t for t in self.buckets.prompt_logprobs_chunk if t not in self.prompt_executables]
+        jobs += [(t, self._lower_prompt_program, self._compile_prompt_lowered) for t in scored]
         workers = workers or min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
         bar = progress(len(jobs)) if progress is not None else None
         try:
@@ -352,22 +435,37 @@ class Runner:
     def launch(self, plan: StepPlan, sampling: list) -> StepHandle:
         """Dispatch one step; returns at once. `sampling` has one entry per decode row, then per chunk."""
         key = self.buckets.key_for(plan)
-        executable = self.executables.get(key) or self.compile(key)
         inputs = self.inputs_for(plan, key)
-        self.cache, self.token_state, (tokens, chosen), logits = executable(
-            self._param_leaves, self.cache, self.token_state, inputs
-        )
+        prompt_outputs = ()
+        if plan.prompt_logprobs:
+            (tokens, chosen), logits, prompt_outputs = self._launch_prompt_logprobs(plan, key, inputs)
+        else:
+            executable = self.executables.get(key) or self.compile(key)
+            self.cache, self.token_state, (tokens, chosen), logits = executable(
+                self._param_leaves, self.cache, self.token_state, inputs
+            )
+        self._mark_prompts(plan, sampling[len(plan.decode) :])
         if any(row.temperature > 0 or row.logit_bias or row.presence_penalty or row.frequency_penalty
-               for row in sampling):  # fmt: skip
+               or row.repetition_penalty != 1 for row in sampling):  # fmt: skip
             tokens, chosen = self._sample(plan, key, inputs, sampling, logits, tokens)
         top_ids = top_lp = None
         if any(row.logprobs for row in sampling):
             chosen, top_ids, top_lp = self.row_program("top", key[0] + key[1])(logits, tokens)
         outputs = (tokens, chosen, top_ids, top_lp)
-        for output in outputs:  # start the device-to-host copies now; the host reads them a step later
+        for output in (*outputs, *prompt_outputs):  # start the device-to-host copies now; the host reads them later
             if output is not None:
                 output.copy_to_host_async()
-        return StepHandle(plan, key, outputs, time.perf_counter())
+        return StepHandle(plan, key, outputs, time.perf_counter(), prompt_outputs)
+
+    def _launch_prompt_logprobs(self, plan: StepPlan, key, inputs: StepInputs) -> tuple:
+        """The prompt-logprobs program for the plan's one chunk; (greedy outputs, last logits, prompt outputs)."""
+        targets = np.zeros(key[2], np.int32)  # padding positions score token 0, and nobody reads them
+        chunk = plan.prefill[0]
+        targets[: len(chunk.targets)] = chunk.targets
+        self.cache, self.token_state, greedy_outputs, logits, prompt_outputs = self.prompt_program(key[2])(
+            self._param_leaves, self.cache, self.token_state, inputs, targets
+        )
+        return greedy_outputs, logits, prompt_outputs
 
     def _sample(self, plan: StepPlan, key, inputs: StepInputs, sampling: list, logits, tokens) -> tuple:
         """Launches the sampler after the step: the sampled rows' tokens replace the greedy ones."""
@@ -378,16 +476,33 @@ class Runner:
         slots = np.concatenate([side.slots for side in (inputs.decode, inputs.prefill) if side is not None])
         sampler = self.row_program("sample", rows_total)
         self.token_state, self.output_counts, tokens, chosen = sampler(
-            logits, rows, self.token_state, self.output_counts, slots, tokens
+            logits, rows, self.token_state, self.output_counts, self.prompt_mask, slots, tokens
         )
         return tokens, chosen
 
+    def _mark_prompts(self, plan: StepPlan, chunk_sampling: list) -> None:
+        """Launches the prompt-token marker for the chunks of requests with a repetition penalty, before the
+        sampler that reads it (the device runs launches in order). `chunk_sampling`: one entry per chunk."""
+        chunks = [c for c, row in zip(plan.prefill, chunk_sampling, strict=True) if row.repetition_penalty != 1]
+        if not chunks:
+            return
+        size = self.buckets.chunk[-1]  # a step's prefill tokens never exceed the largest chunk bucket
+        fresh = np.full(self.buckets.prefill_rows[-1], self.trash_slot, np.int32)
+        starts = [c.slot for c in chunks if c.start == 0]
+        fresh[: len(starts)] = starts
+        token_slots, token_ids = np.full(size, self.trash_slot, np.int32), np.zeros(size, np.int32)
+        marked = [(c.slot, token) for c in chunks for token in c.token_ids]
+        token_slots[: len(marked)], token_ids[: len(marked)] = zip(*marked, strict=True)
+        self.prompt_mask = self.row_program(MARK_PROMPT, size)(self.prompt_mask, fresh, token_slots, token_ids)
+
     def cache_lost(self) -> bool:
         """True when a failed step consumed the donated caches."""
-        return any(x.is_deleted() for x in (self.cache.k_pages, self.cache.ssm, self.token_state, self.output_counts))
+        arrays = (self.cache.k_pages, self.cache.ssm, self.token_state, self.output_counts, self.prompt_mask)
+        return any(x.is_deleted() for x in arrays)
 
     def reset_cache(self) -> None:
         """After a failed step the donated buffers may be gone: start from fresh caches."""
         self.cache = new_cache(self.model_def.cfg, self.spec, self.model_def.dtype)
         self.token_state = jnp.zeros(self.spec.num_slots, jnp.int32)
         self.output_counts = jnp.zeros_like(self.output_counts)
+        self.prompt_mask = jnp.zeros_like(self.prompt_mask)

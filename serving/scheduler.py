@@ -104,6 +104,9 @@ class SchedulerConfig:
     max_prefill_chunks: int = 1
     # `auto`: a decoder with this many tokens left or fewer makes the step decode-only.
     finishing_window: int = 4
+    # Most prompt tokens of one prompt-logprobs step (`StepPlan.prompt_logprobs`); 0: requests for prompt logprobs
+    # are rejected.
+    prompt_logprobs_chunk: int = 0
 
     def __post_init__(self):
         for name in ("max_batch", "max_prefill_tokens", "page_size", "max_model_len", "max_prefill_chunks"):
@@ -111,6 +114,10 @@ class SchedulerConfig:
         _require_int(self, "num_pages", minimum=2, why="page 0 is the trash page")
         _require_int(self, "num_slots", minimum=2, why="the last slot is the trash slot")
         _require_int(self, "finishing_window", minimum=0)
+        _require_int(self, "prompt_logprobs_chunk", minimum=0)
+        if self.prompt_logprobs_chunk > self.max_prefill_tokens:
+            raise ValueError(f"prompt_logprobs_chunk ({self.prompt_logprobs_chunk}) must be at most max_prefill_tokens "
+                             f"({self.max_prefill_tokens})")  # fmt: skip
         _require_choice(self, "policy", POLICIES)
         _require_choice(self, "decode_overlap", DECODE_OVERLAPS)
         if self.num_slots - 1 < self.max_batch:
@@ -139,6 +146,7 @@ class Scheduler:
         # Under stream overlap, sizes each step's chunk from its decode rows (None: the cap alone).
         self.overlap_budget = overlap_budget
         self._last_action = IDLE
+        self._last_scored = False  # the last plan was a prompt-logprobs step
         self.page_pool = PagePool(config.num_pages, config.page_size)
         self.slot_pool = SlotPool(config.num_slots)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -149,12 +157,14 @@ class Scheduler:
 
     # ---- requests in and out -----------------------------------------------------------------------
 
-    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+    def check_request(self, prompt_len: int, max_tokens: int, prompt_logprobs: bool = False) -> None:
         """Raise `RequestRejected` when a request could never be admitted, however long it waited."""
         if prompt_len == 0:
             raise RequestRejected("the prompt is empty: at least one prompt token is needed")
-        if max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens < 0:
+            raise RequestRejected(f"max_tokens must be at least 0, got {max_tokens}")
+        if prompt_logprobs and not self.config.prompt_logprobs_chunk:
+            raise RequestRejected("prompt logprobs are off: the engine was built with no prompt-logprobs programs")
         total = prompt_len + max_tokens
         if total > self.config.max_model_len:
             raise RequestRejected(
@@ -170,7 +180,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request behind every earlier one (FCFS)."""
-        self.check_request(request.num_prompt_tokens, request.max_tokens)
+        self.check_request(request.num_prompt_tokens, request.max_tokens, request.prompt_logprobs)
         if request.request_id in self._requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
@@ -198,21 +208,37 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """Plan the next step and mark it launched."""
+        """Plan the next step and mark it launched. A prompt whose logprobs are returned moves one chunk per
+        prompt-logprobs step, a step of its own; while other requests have work, those steps alternate with
+        ordinary ones, so that decoders and other prompts wait at most one such step at a time."""
         self._admit_waiting()
+        decoders = self._decoders()
+        scored = next((r for r in self.running.values() if r.remaining_prompt > 0 and r.prompt_logprobs), None)
+        if scored is not None and not (self._last_scored and (decoders or self._prefill_front() is not None)):
+            plan = self._prompt_logprobs_plan(scored)
+        else:
+            plan = self._ordinary_plan(decoders)
+        self._next_step_id += 1
+        self._last_action, self._last_scored = plan.action, plan.prompt_logprobs
+        return plan
+
+    def _decoders(self) -> list[Request]:
+        return [r for r in self.running.values() if r.remaining_prompt == 0 and r.remaining_tokens > 0]
+
+    def _ordinary_plan(self, decoders: list[Request]) -> StepPlan:
         # Decoders are picked before any chunk launches: a prompt finished in this step has its first
         # token sampled by this step, so it can only be fed in the next one.
-        decoders = [r for r in self.running.values() if r.remaining_prompt == 0 and r.remaining_tokens > 0]
         budget = self._prefill_budget(decoders)
         decode = tuple(self._launch_decode(request) for request in decoders)
         prefill = tuple(self._launch_chunks(budget))
         action = step_action(decode, prefill)
         if self.config.decode_overlap == "stream":
             action = overlap_action(action, self._last_action)
-        plan = StepPlan(self._next_step_id, decode, prefill, action, budget)
-        self._next_step_id += 1
-        self._last_action = action
-        return plan
+        return StepPlan(self._next_step_id, decode, prefill, action, budget)
+
+    def _prompt_logprobs_plan(self, request: Request) -> StepPlan:
+        chunk = self._launch_chunk(request, min(request.remaining_prompt, self.config.prompt_logprobs_chunk))
+        return StepPlan(self._next_step_id, (), (chunk,), PREFILL, len(chunk.token_ids), prompt_logprobs=True)
 
     def _admit_waiting(self) -> None:
         # Head-of-line blocking: skipping the front for a smaller request could starve a long one.
@@ -264,7 +290,8 @@ class Scheduler:
         return min(front.remaining_prompt, cap)
 
     def _prefill_front(self) -> Request | None:
-        return next((r for r in self.running.values() if r.remaining_prompt > 0), None)
+        """The first prompt still to feed in ordinary steps (those whose logprobs are returned have their own)."""
+        return next((r for r in self.running.values() if r.remaining_prompt > 0 and not r.prompt_logprobs), None)
 
     def _launch_decode(self, request: Request) -> DecodeRow:
         # The fed token is the last one sampled; the tokens before it are all in the KV cache.
@@ -278,7 +305,7 @@ class Scheduler:
         for request in self.running.values():
             if budget == 0 or len(chunks) == self.config.max_prefill_chunks:
                 break
-            if request.remaining_prompt > 0:
+            if request.remaining_prompt > 0 and not request.prompt_logprobs:
                 chunks.append(self._launch_chunk(request, min(request.remaining_prompt, budget)))
                 budget -= len(chunks[-1].token_ids)
         return chunks
@@ -288,10 +315,12 @@ class Scheduler:
         end = start + length
         is_last = end == request.num_prompt_tokens
         token_ids = tuple(request.prompt_ids[start:end])
-        chunk = PrefillChunk(request.request_id, request.slot, start, token_ids, request.page_ids, is_last)
+        targets = tuple(request.prompt_ids[start + 1 : end + 1]) if request.prompt_logprobs else ()
+        chunk = PrefillChunk(request.request_id, request.slot, start, token_ids, request.page_ids, is_last, targets)
         request.num_computed_tokens = end
         if is_last:
-            request.num_output_tokens += 1  # this step samples the first output token
+            # This step samples the first output token, unless the request only feeds its prompt (max_tokens 0).
+            request.num_output_tokens += min(request.max_tokens, 1)
             request.status = RequestStatus.DECODING
         return chunk
 

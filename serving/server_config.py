@@ -25,3 +25,5 @@ class ServerConfig:
     # How chat answers are parsed (serving/parsers.py): Qwen3's <think> reasoning, Qwen3-Coder's <tool_call> blocks.
     reasoning_parser: str = "qwen3"
     tool_call_parser: str = "qwen3_coder"
+    # The engine has prompt-logprobs programs (--prompt-logprobs-chunk): echo with logprobs and prompt_logprobs work.
+    prompt_logprobs: bool = False

@@ -14,7 +14,7 @@ import pytest
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny-test"
-ENGINE = dict(max_batch=4, max_prefill_tokens=16, max_model_len=128)
+ENGINE = dict(max_batch=4, max_prefill_tokens=16, max_model_len=128, prompt_logprobs_chunk=16)
 MAX_QUEUE = 64
 DEFAULT_CHAT_MAX_TOKENS = 24
 
@@ -39,7 +39,7 @@ class LiveServer:
         config = ServerConfig(
             served_model_name=MODEL_NAME, max_model_len=ENGINE["max_model_len"],
             vocab_size=self.model.config.vocab_size, api_key=API_KEY, max_queue=MAX_QUEUE,
-            default_chat_max_tokens=DEFAULT_CHAT_MAX_TOKENS,
+            default_chat_max_tokens=DEFAULT_CHAT_MAX_TOKENS, prompt_logprobs=True,
         )  # fmt: skip
         self.server = OpenAIServer(self.engine, self.model.tokenizer, config)
         self.sock = bind("127.0.0.1", 0)

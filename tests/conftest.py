@@ -85,6 +85,10 @@ def engine_leaks(engine, compiled_ahead: bool) -> list[str]:
         problems.append(f"compiled programs outside the bucket set: {sorted(extra)}")
     if compiled_ahead and set(engine.runner.row_compile_seconds) != set(engine.runner.buckets.row_programs()):
         problems.append(f"row programs outside the bucket set: {sorted(engine.runner.row_compile_seconds)}")
+    if compiled_ahead and set(engine.runner.prompt_compile_seconds) != set(engine.runner.buckets.prompt_logprobs_chunk):
+        problems.append(
+            f"prompt-logprobs programs outside the bucket set: {sorted(engine.runner.prompt_compile_seconds)}"
+        )
     return problems
 
 

@@ -49,7 +49,8 @@ CASES = [
     ("missing-prompt", "POST", COMPLETIONS, completion(prompt=...), {}, 400),
     ("model-null-is-not-a-name", "POST", COMPLETIONS, completion(model=5), {}, 400),
     ("missing-messages", "POST", CHAT, chat(messages=...), {}, 400),
-    ("max-tokens-zero", "POST", COMPLETIONS, completion(max_tokens=0), {}, 400),
+    ("max-tokens-zero-without-echo", "POST", COMPLETIONS, completion(max_tokens=0), {}, 400),
+    ("chat-max-tokens-zero", "POST", CHAT, chat(max_tokens=0), {}, 400),
     ("max-tokens-negative", "POST", COMPLETIONS, completion(max_tokens=-5), {}, 400),
     ("max-tokens-huge", "POST", COMPLETIONS, completion(max_tokens=10**9), {}, 400),
     ("max-tokens-astronomic", "POST", COMPLETIONS, completion(max_tokens=10**40), {}, 400),
@@ -93,12 +94,25 @@ CASES = [
     ("n-0", "POST", COMPLETIONS, completion(n=0), {}, 400),
     ("chat-n-too-many", "POST", CHAT, chat(n=10**4), {}, 400),
     ("n-beyond-the-queue", "POST", COMPLETIONS, completion(n=128), {}, 429),
-    ("echo", "POST", COMPLETIONS, completion(echo=True), {}, 400),
+    ("echo-logprobs-21", "POST", COMPLETIONS, completion(echo=True, logprobs=21), {}, 400),
+    ("prompt-logprobs-21", "POST", COMPLETIONS, completion(prompt_logprobs=21), {}, 400),
+    ("prompt-logprobs-negative", "POST", COMPLETIONS, completion(prompt_logprobs=-1), {}, 400),
+    ("chat-prompt-logprobs", "POST", CHAT, chat(prompt_logprobs=1), {}, 400),
+    ("chat-echo", "POST", CHAT, chat(echo=True), {}, 400),
     ("best-of", "POST", COMPLETIONS, completion(best_of=3), {}, 400),
     ("suffix", "POST", COMPLETIONS, completion(suffix="end"), {}, 400),
     ("presence-penalty-above-2", "POST", COMPLETIONS, completion(presence_penalty=2.5), {}, 400),
     ("frequency-penalty-below-minus-2", "POST", CHAT, chat(frequency_penalty=-3.0), {}, 400),
-    ("repetition-penalty", "POST", COMPLETIONS, completion(repetition_penalty=1.2), {}, 400),
+    ("repetition-penalty-zero", "POST", COMPLETIONS, completion(repetition_penalty=0), {}, 400),
+    ("repetition-penalty-negative", "POST", CHAT, chat(repetition_penalty=-1.0), {}, 400),
+    (
+        "repetition-penalty-infinite",
+        "POST",
+        COMPLETIONS,
+        b'{"model": "tiny-test", "prompt": [1], "repetition_penalty": Infinity}',
+        {},
+        400,
+    ),
     ("logit-bias-not-an-id", "POST", COMPLETIONS, completion(logit_bias={"abc": 10}), {}, 400),
     ("logit-bias-outside-vocab", "POST", COMPLETIONS, completion(logit_bias={"999999": 10}), {}, 400),
     ("logit-bias-above-100", "POST", CHAT, chat(logit_bias={"5": 101}), {}, 400),
@@ -184,7 +198,7 @@ def test_prompt_plus_max_tokens_over_max_model_len_gives_the_numbers(idle_server
 def test_accepted_harmless_and_neutral_params(idle_server, http):
     """What OpenAI clients send by default must pass: neutral values of unsupported features, `user`."""
     body = completion(n=1, best_of=1, echo=False, presence_penalty=0.0, frequency_penalty=0, logit_bias={},
-                      user="someone", top_k=-1, stop=None)  # fmt: skip
+                      user="someone", top_k=-1, stop=None, repetition_penalty=1)  # fmt: skip
     assert send(http, idle_server, "POST", COMPLETIONS, body, {}).status_code == 200
     body = chat(n=1, tool_choice="none", response_format={"type": "text"}, parallel_tool_calls=False,
                 messages=[{"role": "user", "content": "hi"},
@@ -212,3 +226,24 @@ def test_health_and_metrics_need_no_key(live_server):
     assert httpx.get(f"{live_server.root}/health").status_code == 200
     assert httpx.get(f"{live_server.root}/metrics").status_code == 200
     json.loads(httpx.get(f"{live_server.root}/openapi.json").text)
+
+
+def test_prompt_logprobs_are_a_400_on_a_server_without_their_programs(live_server):
+    """A server started without --prompt-logprobs-chunk: echo with logprobs and prompt_logprobs get a 400 that
+    names the parameter and the flag; echo alone works."""
+    import asyncio
+    import dataclasses
+
+    from qwen35_jax.serving import protocol as api
+    from qwen35_jax.serving.errors import APIError
+    from qwen35_jax.serving.prompts import RequestPreparer
+
+    config = dataclasses.replace(live_server.server.config, prompt_logprobs=False)
+    preparer = RequestPreparer(live_server.engine, live_server.model.tokenizer, config)
+    for fields, param in ((dict(echo=True, logprobs=0), "logprobs"), (dict(prompt_logprobs=1), "prompt_logprobs")):
+        with pytest.raises(APIError) as caught:
+            asyncio.run(preparer.completion(api.CompletionRequest(prompt="hi", **fields)))
+        assert caught.value.status == 400 and caught.value.param == param
+        assert "--prompt-logprobs-chunk" in caught.value.message
+    (choice,) = asyncio.run(preparer.completion(api.CompletionRequest(prompt="hi", echo=True)))
+    assert choice.echo.text == "hi" and choice.params.prompt_logprobs is None

@@ -3,7 +3,7 @@ chunking and sampling must not change, finish reasons, cancellation, step errors
 the bound on compiled programs; then unit tests of the device sampler.
 
 Engines are expensive here (each step program takes seconds to compile on the CPU), so the file builds
-one fully compiled engine (`engine`: 15 programs), one with a 16-token prefill budget whose 7 programs load
+one fully compiled engine (`engine`: 15 step programs, 2 prompt-logprobs programs), one with a 16-token prefill budget whose 7 programs load
 from the session's compile cache (`chunked_engine`), and small lazily compiled engines for the golden
 checkpoints. Every test leaves them idle; conftest's autouse fixture checks that (no KV page or GDN slot
 held, no live generation, nothing queued or in flight, no program outside the bucket set).
@@ -49,8 +49,9 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src
 
 @pytest.fixture(scope="module")
 def engine(engines, tiny_model):
-    """Every bucket compiled at build: decode B in {1, 2, 4}, chunk T in {16, 32, 64}, and every B x T."""
-    engine = engines.build(tiny_model, max_batch=4, max_prefill_tokens=64, max_model_len=512)
+    """Every bucket compiled at build: decode B in {1, 2, 4}, chunk T in {16, 32, 64}, and every B x T; and the
+    prompt-logprobs steps of chunk T in {16, 32}."""
+    engine = engines.build(tiny_model, max_batch=4, max_prefill_tokens=64, max_model_len=512, prompt_logprobs_chunk=32)
     yield engine
     engines.release(engine)
 
@@ -262,12 +263,131 @@ def test_the_sampler_counts_output_tokens_per_slot():
     counts = np.zeros((4, vocab), np.int32)
     counts[0, 5] = counts[1, 5] = counts[2, 5] = 3  # stale or earlier counts
     rows = sampling_rows(3, frequency_penalty=1.0, output_index=[0, 4, -1])
-    _, new_counts, tokens, _ = jax.jit(sampler_step)(logits, rows, np.zeros(4, np.int32), counts, slots, np.full(3, 5))
+    no_prompt = np.zeros((4, vocab), bool)
+    _, new_counts, tokens, _ = jax.jit(sampler_step)(logits, rows, np.zeros(4, np.int32), counts, no_prompt, slots,
+                                                     np.full(3, 5))  # fmt: skip
     new_counts = np.asarray(new_counts)
     # row 0 restarts (its stale 3 is gone) and picks 5; row 1 has 5 three times: 1 - 3 < 0, so token 0 wins
     assert np.asarray(tokens)[:2].tolist() == [5, 0]
     assert new_counts[0].tolist() == np.eye(vocab, dtype=int)[5].tolist()
     assert new_counts[1, 5] == 3 and new_counts[1, 0] == 1 and new_counts[2].tolist() == counts[2].tolist()
+
+
+def test_repetition_penalty_follows_the_host_oracle(golden_cases):
+    """The repetition penalty (over the prompt's and the output's tokens), alone and before presence and frequency,
+    greedy: the engine (the prompt's tokens marked on the device) against `model.generate` (the host sampler)."""
+    golden = golden_cases("composite_untied_gqa2")
+    plain = generate(golden.engine, [(golden.prompt, greedy(12))])[0].token_ids
+    for penalties in (dict(repetition_penalty=1.3), dict(repetition_penalty=0.7, presence_penalty=0.5,
+                                                         frequency_penalty=1.0)):  # fmt: skip
+        params = GenerationParams(12, ignore_eos=True, sampling=SamplingParams(**penalties))
+        result = generate(golden.engine, [(golden.prompt, params)])[0]
+        assert result.token_ids == golden.model.generate(golden.prompt, 12, ignore_eos=True, **penalties), penalties
+        assert result.token_ids != plain  # it bites
+
+
+def test_repetition_penalty_over_chunked_prompts_in_reused_slots(chunked_engine, tiny_model):
+    """Prompts of 16-token chunks, two batches one after the other on the same slots: each penalised request
+    marks its whole prompt from a clean row, and an unpenalised request beside them keeps its greedy tokens."""
+    for batch in range(2):
+        prompts = [prompt(50 + 7 * batch, seed=700 + batch), prompt(23, seed=710 + batch), prompt(30, seed=720)]
+        penalties = [(0.3, 3.0), (3.0, 0.3)][batch]  # below 1 favours seen tokens, above 1 disfavours them
+        requests = [(p, GenerationParams(8, ignore_eos=True, sampling=SamplingParams(repetition_penalty=r)))
+                    for p, r in zip(prompts, penalties, strict=False)] + [(prompts[2], greedy(8))]  # fmt: skip
+        results = generate(chunked_engine, requests)
+        for p, r, result in zip(prompts, penalties, results, strict=False):
+            assert result.token_ids == tiny_model.generate(p, 8, ignore_eos=True, repetition_penalty=r), (batch, r)
+            assert result.token_ids != tiny_model.generate(p, 8, ignore_eos=True), (batch, r)
+        assert_same_greedy(results[2], generate(chunked_engine, [requests[2]])[0])
+
+
+def test_penalties_match_the_host_order_of_operations():
+    """repetition (over prompt and output tokens), then presence and frequency, then logit_bias: the device's
+    greedy pick against the argmax of the host's `biased`, on random logits, prompts and outputs."""
+    from qwen35_jax.sampling import biased
+
+    vocab, rng = 300, np.random.default_rng(9)
+    logits = random_logits(6, vocab, seed=9)
+    params = [SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f, logit_bias=b)
+              for r, p, f, b in [(1.5, 0, 0, ()), (0.5, 0, 0, ()), (2.0, 0.5, 1.0, ()), (2.0, 0, 0, ((3, 5.0),)),
+                                 (1.0, 2.0, 1.0, ()), (3.0, -1.0, 0.5, ((7, -2.0),))]]  # fmt: skip
+    # Each prompt holds the row's best three tokens, or (below 1, which favours them) its fifth; each output its best,
+    # except below 1.
+    order = np.argsort(-logits, axis=-1)
+    prompts = [np.concatenate([order[i, :3] if s.repetition_penalty > 1 else order[i, 4:5], rng.integers(0, vocab, 30)])
+               for i, s in enumerate(params)]  # fmt: skip
+    outputs = [np.concatenate([order[i, : int(s.repetition_penalty >= 1)], rng.integers(0, vocab, 11)])
+               for i, s in enumerate(params)]  # fmt: skip
+    rows = SamplingRows.from_rows([SamplingRow(0.0, 0, 1.0, 0.0, 0, 12, 0, s.logit_bias, s.presence_penalty,
+                                               s.frequency_penalty, s.repetition_penalty) for s in params], 6)  # fmt: skip
+    counts = np.stack([np.bincount(o, minlength=vocab) for o in outputs]).astype(np.int32)
+    in_prompt = np.zeros((6, vocab), bool)
+    for i, p in enumerate(prompts):
+        in_prompt[i, p] = True
+    tokens, _ = jax.jit(device_sampling.resample)(logits, rows, np.argmax(logits, -1).astype(np.int32), counts,
+                                                  in_prompt)  # fmt: skip
+    want = [int(np.argmax(biased(logits[i], s, outputs[i], prompts[i]))) for i, s in enumerate(params)]
+    assert np.asarray(tokens).tolist() == want
+    assert (np.asarray(want) != order[:, 0]).all()  # every row's penalties moved its pick
+
+
+# ---- prompt logprobs ----------------------------------------------------------------------------------
+
+
+def prompt_logprobs_of(collector: Collector, request_id: str) -> list[TokenLogprob]:
+    """The prompt logprobs a request delivered: all of them, on its first output, and on no other."""
+    outputs = collector.outputs[request_id]
+    assert all(o.prompt_logprobs is None for o in outputs[1:])
+    return outputs[0].prompt_logprobs
+
+
+def test_prompt_logprobs_match_one_full_prefill(engine, tiny_model, monkeypatch):
+    """A 70-token prompt scored in prompt-logprobs steps of 32, 32 and 6 tokens, while another request decodes:
+    each prompt token's logprob, rank and top 5 against log_softmax of `model.logits` (one full prefill) to
+    LOGPROB_ATOL (the same fp32 model, other chunking); its output tokens are an unscored request's, and the
+    decoder's tokens are its own alone."""
+    p, decoder = prompt(70, seed=600), (prompt(6, seed=601), greedy(16))
+    spy = StepSpy(engine.runner, monkeypatch)
+    collector = Collector()
+    decoding = engine.submit(*decoder, collector)
+    engine.step()
+    scored = engine.submit(p, greedy(4, prompt_logprobs=5), collector)
+    engine.run_until_done()
+    entries = prompt_logprobs_of(collector, scored)
+    reference = log_softmax(tiny_model.logits(p))
+    assert [e.token_id for e in entries] == p[1:]
+    for j, entry in enumerate(entries):
+        want = reference[j, p[j + 1]]
+        assert abs(entry.logprob - want) <= LOGPROB_ATOL, j
+        # Ranks and the top list may differ where the reference's logprobs lie within the tolerance of each other.
+        likelier = [np.sum(reference[j] > want + sign * LOGPROB_ATOL) for sign in (1, -1)]
+        assert 1 + likelier[0] <= entry.rank <= 1 + likelier[1], j
+        top_ids, top_lps = zip(*entry.top, strict=True)
+        np.testing.assert_allclose(top_lps, np.sort(reference[j])[::-1][:5], atol=LOGPROB_ATOL)
+        np.testing.assert_allclose(top_lps, reference[j, list(top_ids)], atol=LOGPROB_ATOL)
+    scored_plans = [plan for plan in spy.plans if plan.prompt_logprobs]
+    assert [len(plan.prefill[0].token_ids) for plan in scored_plans] == [32, 32, 6]
+    assert all(not plan.decode for plan in scored_plans) and any(plan.decode for plan in spy.plans)
+    assert_same_greedy(collector.result(scored, 70), generate(engine, [(p, greedy(4))])[0])
+    assert_same_greedy(collector.result(decoding), generate(engine, [decoder])[0])
+
+
+def test_a_prompt_only_request_delivers_its_prompt_logprobs_and_no_token(engine):
+    """max_tokens 0: one output, the finish ("length"), carrying the prompt's logprobs; a one-token prompt has
+    none to carry (its first token is never scored)."""
+    collector = Collector()
+    long = engine.submit(prompt(40, seed=610), greedy(0, prompt_logprobs=0), collector)
+    short = engine.submit(prompt(1, seed=611), greedy(0, prompt_logprobs=3), collector)
+    engine.run_until_done()
+    for request_id, length in ((long, 40), (short, 1)):
+        (output,) = collector.outputs[request_id]
+        assert output.finish_reason == "length" and output.token_ids == [] and output.num_output_tokens == 0
+        assert len(output.prompt_logprobs) == length - 1 and all(e.top == [] for e in output.prompt_logprobs)
+
+
+def test_an_engine_without_prompt_logprobs_programs_refuses_them(chunked_engine):
+    with pytest.raises(RequestRejected, match="prompt logprobs are off"):
+        chunked_engine.submit(prompt(5, seed=1), greedy(2, prompt_logprobs=1), Collector())
 
 
 # ---- what batching, chunking and repetition must not change -------------------------------------------
@@ -523,16 +643,19 @@ def spy_row_programs(runner, monkeypatch) -> list[tuple[str, int]]:
 
 
 def test_serving_compiles_nothing_new(engine, monkeypatch):
-    """A workload that runs every bucket program (prefill-only, decode-only and unified, at every B and T)
-    and every row program (sampled decoders and top logprobs at every output row count) compiles nothing: no
-    new runner program and no XLA compile or cache load at all."""
+    """A workload that runs every bucket program (prefill-only, decode-only and unified, at every B and T), every
+    row program (sampled decoders and top logprobs at every output row count, the prompt-token marker) and every
+    prompt-logprobs program compiles nothing: no new runner program and no XLA compile or cache load at all."""
     runner = engine.runner
     assert set(runner.compile_seconds) == set(runner.buckets.keys()) and runner.num_compiles == 15
-    every_row_program = {(kind, r) for kind in ("sample", "top") for r in (1, 2, 3, 4, 5)}
+    every_row_program = {(kind, r) for kind in ("sample", "top") for r in (1, 2, 3, 4, 5)} | {("mark_prompt", 64)}
     assert set(runner.row_compile_seconds) == set(runner.buckets.row_programs()) == every_row_program
+    assert set(runner.prompt_compile_seconds) == {16, 32}
     before = runner.num_compiles
     backend_compiles = []
     row_programs_used = spy_row_programs(runner, monkeypatch)
+    prompt_programs_used, prompt_program = [], runner.prompt_program
+    monkeypatch.setattr(runner, "prompt_program", lambda t: prompt_programs_used.append(t) or prompt_program(t))
 
     def on_event(event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT:
@@ -560,10 +683,15 @@ def test_serving_compiles_nothing_new(engine, monkeypatch):
             for rid in decoders:
                 engine.abort(rid)
             engine.run_until_done()
+        # A scored prompt in chunks of 32 and 8 (T = 32, 16), beside a prompt under a repetition penalty.
+        engine.submit(prompt(40, seed=90), greedy(2, prompt_logprobs=1), collector)
+        engine.submit(prompt(12, seed=91), greedy(2, sampling=SamplingParams(repetition_penalty=1.2)), collector)
+        engine.run_until_done()
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert set(spy.keys) == set(runner.buckets.keys())  # every program served a real step
     assert set(row_programs_used) == every_row_program  # and every row program
+    assert set(prompt_programs_used) == {16, 32}  # and every prompt-logprobs program
     assert runner.num_compiles == before and set(runner.compile_seconds) == set(runner.buckets.keys())
     assert set(runner.row_compile_seconds) == every_row_program
     assert backend_compiles == []
@@ -621,8 +749,8 @@ def test_bad_requests_are_rejected_at_submit(engine, engines, tiny_model):
     collector = Collector()
     with pytest.raises(RequestRejected, match="empty"):
         engine.submit([], greedy(4), collector)
-    with pytest.raises(RequestRejected, match="max_tokens must be at least 1"):
-        engine.submit(prompt(5, seed=1), greedy(0), collector)
+    with pytest.raises(RequestRejected, match="max_tokens must be at least 0"):
+        engine.submit(prompt(5, seed=1), greedy(-1), collector)
     with pytest.raises(RequestRejected, match="exceeds the maximum model length of 512"):
         engine.submit(prompt(500, seed=1), greedy(13), collector)
     engine.check(500, 12)  # exactly max_model_len fits
@@ -883,8 +1011,8 @@ def test_programs_have_no_device_branch(engine):
     copying its predicate to the host and waiting for it inside the launch, so a branch would make the host
     wait for the step it just launched (what the "any row samples" lax.cond did; docs/performance.md)."""
     runner = engine.runner
-    programs = [*runner.executables.values(), *runner.row_executables.values()]
-    assert len(programs) == len(runner.buckets.keys()) + len(runner.buckets.row_programs())
+    programs = [*runner.executables.values(), *runner.row_executables.values(), *runner.prompt_executables.values()]
+    assert len(programs) == len(runner.buckets.keys()) + len(runner.buckets.row_programs()) + 2
     for program in programs:
         assert " conditional(" not in program.as_text()
 

@@ -123,12 +123,14 @@ def test_rejects_a_request_larger_than_the_whole_kv_pool():
     scheduler.check_request(200, 56)  # 256 tokens: exactly the whole pool
 
 
-def test_rejects_empty_prompts_and_zero_max_tokens():
+def test_rejects_empty_prompts_negative_max_tokens_and_prompt_logprobs_when_off():
     scheduler = scheduler_with()
     with pytest.raises(RequestRejected, match="empty"):
         scheduler.add(make_request("a", 0, 4))
-    with pytest.raises(RequestRejected, match="max_tokens must be at least 1, got 0"):
-        scheduler.add(make_request("b", 4, 0))
+    with pytest.raises(RequestRejected, match="max_tokens must be at least 0, got -1"):
+        scheduler.add(make_request("b", 4, -1))
+    with pytest.raises(RequestRejected, match="prompt logprobs are off"):
+        scheduler.add(Request("c", [1, 2, 3], 4, prompt_logprobs=True))
     assert issubclass(RequestRejected, ValueError) and scheduler.num_waiting == 0
 
 
@@ -260,6 +262,59 @@ def test_max_tokens_one_is_done_after_the_last_chunk():
 
 
 # ---- the `auto` prefill budget ------------------------------------------------------------------
+
+
+def scored_request(request_id: str, prompt_len: int, max_tokens: int) -> Request:
+    request = make_request(request_id, prompt_len, max_tokens)
+    request.prompt_logprobs = True
+    return request
+
+
+def test_a_scored_prompt_moves_one_chunk_per_step_of_its_own():
+    """Each chunk of a prompt whose logprobs are returned is a prompt-logprobs step: alone, at most
+    prompt_logprobs_chunk tokens, its targets the prompt tokens that follow each position."""
+    request = scored_request("a", 20, 2)
+    scheduler = scheduler_with(request, max_prefill_tokens=16, max_prefill_chunks=2, prompt_logprobs_chunk=8)
+    plans = [scheduler.schedule() for _ in range(3)]
+    assert all(plan.prompt_logprobs and plan.action == "prefill" and not plan.decode for plan in plans)
+    assert [(c.start, len(c.token_ids), c.is_last) for plan in plans for c in plan.prefill] == [
+        (0, 8, False), (8, 8, False), (16, 4, True)
+    ]  # fmt: skip
+    assert [t for plan in plans for t in plan.prefill[0].targets] == request.prompt_ids[1:]  # one fewer at the end
+    assert not scheduler.schedule().prompt_logprobs and request.num_output_tokens == 2
+
+
+def test_scored_steps_alternate_with_the_others_work():
+    """A decoder and an ordinary prompt arriving behind a scored one: the scored chunks alternate with ordinary
+    steps, which decode and prefill the other prompt; with nothing else to do, scored steps follow each other."""
+    decoder, scored, ordinary = make_request("d", 3, 20), scored_request("s", 40, 2), make_request("o", 12, 2)
+    scheduler = scheduler_with(decoder, max_prefill_tokens=8, prompt_logprobs_chunk=8)
+    scheduler.schedule()  # the decoder's prompt
+    scheduler.add(scored)
+    scheduler.add(ordinary)
+    plans = [scheduler.schedule() for _ in range(6)]
+    assert [plan.prompt_logprobs for plan in plans] == [True, False, True, False, True, False]
+    assert [[c.request_id for c in plan.prefill] for plan in plans[1::2]] == [["o"], ["o"], []]
+    assert all(plan.decode and not plan.prompt_logprobs for plan in plans[1::2])
+    scheduler.abort("d")
+    scheduler.abort("o")
+    assert [scheduler.schedule().prompt_logprobs for _ in range(2)] == [True, True]  # the last 16 of its 40
+
+
+def test_max_tokens_zero_feeds_the_prompt_and_samples_nothing():
+    request = scored_request("a", 10, 0)
+    scheduler = scheduler_with(request, prompt_logprobs_chunk=16)
+    plan = scheduler.schedule()
+    assert plan.prompt_logprobs and plan.prefill[0].is_last and len(request.page_ids) == 3  # 10 tokens, 4 a page
+    assert request.num_output_tokens == 0 and request.status is RequestStatus.DECODING
+    assert scheduler.schedule().action == "idle"  # no decode row: the engine finishes it when the step is read
+    scheduler.finish("a", "length")
+    assert_pools_full(scheduler)
+
+
+def test_prompt_logprobs_chunk_fits_the_prefill_budget():
+    with pytest.raises(ValueError, match="prompt_logprobs_chunk .17. must be at most max_prefill_tokens .16."):
+        make_config(max_prefill_tokens=16, prompt_logprobs_chunk=17)
 
 
 def decoder_near_its_end(**overrides) -> tuple[Scheduler, list[StepPlan]]:
@@ -447,14 +502,17 @@ class EngineModel:
         self.in_flight: list[str] = []  # request ids that sample in the step in flight
         self.seen: collections.Counter[str] = collections.Counter()
         self.next_id = 0
+        self.last_scored = False
 
-    def arrive(self, prompt_len: int, max_tokens: int) -> None:
+    def arrive(self, prompt_len: int, max_tokens: int, prompt_logprobs: bool = False) -> None:
         request = make_request(f"r{self.next_id}", prompt_len, max_tokens)
+        request.prompt_logprobs = prompt_logprobs
         self.next_id += 1
         total = prompt_len + max_tokens
         never_fits = total > self.config.max_model_len or pages_needed(total, self.config.page_size) > (
             self.config.num_pages - 1
         )
+        never_fits |= prompt_logprobs and not self.config.prompt_logprobs_chunk
         try:
             self.scheduler.add(request)
         except RequestRejected:
@@ -486,8 +544,13 @@ class EngineModel:
         for _ in range(count):
             if self.scheduler.num_waiting and self.scheduler.num_running:
                 self.seen["waiting behind running"] += 1
+            others_wait = any(r.remaining_prompt == 0 < r.remaining_tokens or (r.remaining_prompt and not r.prompt_logprobs)
+                              for r in self.scheduler.running.values())  # fmt: skip
             plan = self.scheduler.schedule()
             self.check_plan(plan)
+            # Prompt-logprobs steps run back to back only while nothing else has work.
+            assert not (plan.prompt_logprobs and self.last_scored and others_wait)
+            self.last_scored = plan.prompt_logprobs
             in_flight = [row.request_id for row in plan.decode]
             in_flight += [chunk.request_id for chunk in plan.prefill if chunk.is_last]
             self.drain()
@@ -499,10 +562,11 @@ class EngineModel:
         for request_id in self.in_flight:
             if request_id in self.alive:
                 self.read[request_id] += 1
-                if self.read[request_id] == self.alive[request_id].max_tokens:
+                max_tokens = self.alive[request_id].max_tokens
+                if self.read[request_id] == max(max_tokens, 1):  # max_tokens 0: done when its prompt is in
                     assert self.scheduler.finish(request_id, "length")
                     del self.alive[request_id]
-                    self.seen["length"] += 1
+                    self.seen["length" if max_tokens else "prompt only"] += 1
         self.in_flight = []
 
     def finish_everything(self) -> None:
@@ -525,6 +589,11 @@ class EngineModel:
             self.check_decode_row(row)
         for chunk in plan.prefill:
             self.check_chunk(chunk)
+        if plan.prompt_logprobs:
+            (chunk,) = plan.prefill
+            assert not plan.decode and len(chunk.token_ids) <= config.prompt_logprobs_chunk
+            self.seen["prompt logprobs"] += 1
+        assert all(self.alive[c.request_id].prompt_logprobs == plan.prompt_logprobs for c in plan.prefill)
         if plan.budget == 0 and any(r.remaining_prompt for r in self.scheduler.running.values()):
             assert config.policy == "auto" and config.decode_overlap == "off"
             self.seen["prefill deferred"] += 1
@@ -543,9 +612,11 @@ class EngineModel:
         assert chunk.start == self.fed[chunk.request_id] and len(chunk.token_ids) > 0
         assert chunk.token_ids == tuple(request.prompt_ids[chunk.start : chunk.end])
         assert chunk.is_last == (chunk.end == request.num_prompt_tokens)
+        scored = tuple(request.prompt_ids[chunk.start + 1 : chunk.end + 1]) if request.prompt_logprobs else ()
+        assert chunk.targets == scored
         self.seen["partial chunk" if not chunk.is_last else "last chunk"] += 1
         self.fed[chunk.request_id] = chunk.end
-        self.sampled[chunk.request_id] += chunk.is_last
+        self.sampled[chunk.request_id] += chunk.is_last and request.max_tokens > 0
 
     def check_pools(self) -> None:
         scheduler = self.scheduler
@@ -571,10 +642,10 @@ def arrival_number(request: Request) -> int:
 
 def random_config(pick: Callable[[int, int], int]) -> SchedulerConfig:
     """A small config; `pick(lo, hi)` draws an integer in [lo, hi] (from hypothesis or a seeded rng)."""
-    max_batch, page_size = pick(1, 4), pick(1, 8)
+    max_batch, page_size, max_prefill_tokens = pick(1, 4), pick(1, 8), pick(1, 24)
     return SchedulerConfig(
         max_batch=max_batch,
-        max_prefill_tokens=pick(1, 24),
+        max_prefill_tokens=max_prefill_tokens,
         page_size=page_size,
         # From a pool that holds one short request to one that holds several long ones, so that both
         # rejection and waiting for pages happen.
@@ -585,11 +656,12 @@ def random_config(pick: Callable[[int, int], int]) -> SchedulerConfig:
         decode_overlap=("off", "stream")[pick(0, 1)],
         max_prefill_chunks=pick(1, 3),
         finishing_window=pick(0, 5),
+        prompt_logprobs_chunk=pick(0, max_prefill_tokens),
     )
 
 
 operations = st.one_of(
-    st.tuples(st.just("arrive"), st.integers(1, 30), st.integers(1, 12)),
+    st.tuples(st.just("arrive"), st.integers(1, 30), st.integers(0, 12), st.booleans()),
     st.tuples(st.just("abort"), st.integers(0, 1000)),
     st.tuples(st.just("stop"), st.integers(0, 1000)),
     st.tuples(st.just("step"), st.integers(1, 4)),
@@ -615,7 +687,7 @@ def test_long_seeded_traffic_meets_every_situation():
         for _ in range(300):
             op = rng.choices(["arrive", "abort", "stop", "step"], weights=[4, 1, 1, 6])[0]
             if op == "arrive":
-                engine.arrive(rng.randint(1, 30), rng.randint(1, 12))
+                engine.arrive(rng.randint(1, 30), rng.randint(0, 12), rng.random() < 0.3)
             elif op == "step":
                 engine.step(rng.randint(1, 4))
             else:
@@ -625,6 +697,6 @@ def test_long_seeded_traffic_meets_every_situation():
     situations = [
         "prefill", "decode", "unified", "idle", "partial chunk", "last chunk", "prefill deferred",
         "rejected", "waiting behind running", "stop", "length", "abort waiting", "abort prefilling",
-        "abort decoding", "abort decoding done sampling",
+        "abort decoding", "abort decoding done sampling", "prompt logprobs", "prompt only",
     ]  # fmt: skip
     assert {name: seen[name] for name in situations if seen[name] == 0} == {}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -136,6 +137,159 @@ def test_stop_token_ids_end_the_output(idle_server):
     response = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=10,
                       extra_body={"ignore_eos": True, "stop_token_ids": every_id})  # fmt: skip
     assert response.choices[0].finish_reason == "stop" and response.usage.completion_tokens == 1
+
+
+def test_repetition_penalty_follows_the_host_oracle(idle_server):
+    """The engine's greedy tokens under vLLM's repetition penalty are `model.generate`'s (the host sampler, over
+    the same prompt and output tokens), on completions; chat takes the parameter too."""
+    client, model = idle_server.client(), idle_server.model
+    # Above 1 bites where the greedy answer comes back to a token it has seen, which PROMPT_IDS' answer never does.
+    repeating = [
+        210,
+        120,
+        330,
+        48,
+        266,
+        379,
+        230,
+        152,
+        175,
+        490,
+        342,
+        12,
+        230,
+        481,
+        237,
+        49,
+        66,
+        73,
+        257,
+        303,
+        57,
+        7,
+        31,
+    ]
+    for ids, penalty in ((repeating, 1.5), (PROMPT_IDS, 0.6)):
+        fields = dict(prompt=ids, max_tokens=16, logprobs=0, extra_body={"ignore_eos": True})
+        plain = greedy(client, **fields).choices[0].logprobs.tokens
+        answer = greedy(client, **fields | {"extra_body": {"ignore_eos": True, "repetition_penalty": penalty}})
+        want = model.generate(ids, 16, ignore_eos=True, repetition_penalty=penalty)
+        assert answer.choices[0].text == model.tokenizer.decode(want), penalty
+        assert answer.choices[0].logprobs.tokens != plain
+    chat = client.chat.completions.create(model=idle_server.model_name, messages=MESSAGES, max_tokens=4,
+                                          temperature=0, extra_body={"repetition_penalty": 1.3})  # fmt: skip
+    assert chat.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- echo and prompt logprobs ------------------------------------------------------------------------------
+
+# Prompt logprobs against one full prefill of the same fp32 model: the server scores the prompt in 16-token chunks,
+# the reference in one, which moves fp32 logprobs by up to ~1e-4 on this model (test_engine.py's LOGPROB_ATOL).
+LOGPROB_ATOL = 2e-4
+SCORED_IDS = PROMPT_IDS * 3  # 24 tokens: prompt-logprobs steps of 16 and 8
+
+
+def log_softmax(logits):
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def test_echo_starts_the_text_with_the_prompt(idle_server):
+    client, text = idle_server.client(), "Hello there, general"
+    plain = greedy(client, prompt=text, max_tokens=5, extra_body={"ignore_eos": True})
+    echoed = greedy(client, prompt=text, max_tokens=5, echo=True, extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == text + plain.choices[0].text and echoed.choices[0].logprobs is None
+    assert echoed.usage == plain.usage
+    ids = greedy(client, prompt=SCORED_IDS, max_tokens=3, echo=True, extra_body={"ignore_eos": True})
+    decoded = idle_server.model.tokenizer.decode(SCORED_IDS, skip_special_tokens=False)
+    assert ids.choices[0].text.startswith(decoded) and len(ids.choices[0].text) > len(decoded)
+
+
+def test_echo_logprobs_are_the_prompt_tokens_under_the_model(idle_server):
+    """echo with logprobs=3, as lm-evaluation-harness asks: the prompt's tokens lead the logprobs, the first with
+    null logprob and null top, each later one with its logprob under the model (against log_softmax of one full
+    prefill), its top 3 and itself; the output's tokens follow, as without echo; text_offset indexes the text."""
+    client = idle_server.client()
+    n = len(SCORED_IDS)
+    answer = greedy(client, prompt=SCORED_IDS, max_tokens=4, echo=True, logprobs=3, extra_body={"ignore_eos": True})
+    plain = greedy(client, prompt=SCORED_IDS, max_tokens=4, logprobs=3, extra_body={"ignore_eos": True})
+    logprobs, text = answer.choices[0].logprobs, answer.choices[0].text
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == n + 4
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    reference = log_softmax(idle_server.model.logits(SCORED_IDS))
+    want = reference[np.arange(n - 1), SCORED_IDS[1:]]
+    np.testing.assert_allclose(logprobs.token_logprobs[1:n], want, atol=LOGPROB_ATOL)
+    names = [idle_server.server.responses.logprobs.token_text(t) for t in SCORED_IDS]
+    assert logprobs.tokens[:n] == names
+    for k in range(1, n):
+        top = logprobs.top_logprobs[k]
+        assert names[k] in top and len(top) <= 4  # the top 3 and the prompt token itself
+        best = sorted(top.values(), reverse=True)[:3]
+        np.testing.assert_allclose(best, np.sort(reference[k - 1])[::-1][: len(best)], atol=LOGPROB_ATOL)
+    assert logprobs.tokens[n:] == plain.choices[0].logprobs.tokens
+    assert logprobs.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=LOGPROB_ATOL)
+    prompt_text = idle_server.model.tokenizer.decode(SCORED_IDS, skip_special_tokens=False)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    assert logprobs.text_offset[n] == len(prompt_text) and text[: len(prompt_text)] == prompt_text
+
+
+def test_echo_with_max_tokens_zero_is_the_prompt_alone(idle_server):
+    answer = greedy(idle_server.client(), prompt="Hello there", max_tokens=0, echo=True, logprobs=1)
+    choice, n = answer.choices[0], len(idle_server.model.tokenizer.encode("Hello there"))
+    assert choice.text == "Hello there" and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == n and choice.logprobs.token_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    assert answer.usage.prompt_tokens == n and answer.usage.completion_tokens == 0
+    only_text = greedy(idle_server.client(), prompt=SCORED_IDS, max_tokens=0, echo=True)
+    assert only_text.choices[0].logprobs is None and only_text.usage.completion_tokens == 0
+
+
+def test_echo_on_a_batch_of_prompts(idle_server):
+    """Each choice echoes its own prompt, text or ids, with its own logprobs, in the order of the batch."""
+    client = idle_server.client()
+    for prompts in (["Hello there", "Once upon a time", "x"], [SCORED_IDS, [5, 6, 7], [300]]):
+        batch = greedy(client, prompt=prompts, max_tokens=2, echo=True, logprobs=0, extra_body={"ignore_eos": True})
+        for prompt, choice in zip(prompts, batch.choices, strict=True):
+            alone = greedy(client, prompt=[prompt] if isinstance(prompt, list) else prompt, max_tokens=2, echo=True,
+                           logprobs=0, extra_body={"ignore_eos": True}).choices[0]  # fmt: skip
+            assert choice.text == alone.text and choice.logprobs.tokens == alone.logprobs.tokens
+            assert choice.logprobs.token_logprobs[0] is None
+            assert choice.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-4)
+        assert [c.index for c in batch.choices] == [0, 1, 2]
+
+
+def test_streamed_echo_puts_the_prompt_in_the_first_chunk(idle_server):
+    """As vLLM's: the first chunk carries the prompt's text and logprobs with the first token's; the stream adds up
+    to the plain answer. With max_tokens=0 the one chunk is the prompt and the finish."""
+    client = idle_server.client()
+    fields = dict(prompt=SCORED_IDS, max_tokens=5, echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    plain = greedy(client, **fields).choices[0]
+    chunks = [c.choices[0] for c in greedy(client, stream=True, **fields) if c.choices]
+    assert len(chunks[0].logprobs.tokens) == len(SCORED_IDS) + 1 and chunks[0].logprobs.token_logprobs[0] is None
+    assert "".join(c.text for c in chunks) == plain.text
+    scored = [c.logprobs for c in chunks if c.logprobs is not None]  # the finish's chunk carries no token
+    assert [t for lp in scored for t in lp.tokens] == plain.logprobs.tokens
+    assert [o for lp in scored for o in lp.text_offset] == plain.logprobs.text_offset
+    alone = list(greedy(client, prompt="Hello there", max_tokens=0, echo=True, stream=True))
+    assert [(c.choices[0].text, c.choices[0].finish_reason) for c in alone] == [("Hello there", "length")]
+
+
+def test_vllm_prompt_logprobs(idle_server):
+    """vLLM's prompt_logprobs=2 without echo: the choice's `prompt_logprobs`, null for the first prompt token, then
+    by token id the prompt token (its logprob under the model, its rank) and the top 2 (ranks 1 and 2)."""
+    answer = greedy(idle_server.client(), prompt=SCORED_IDS, max_tokens=2, extra_body={"prompt_logprobs": 2})
+    entries = answer.choices[0].model_extra["prompt_logprobs"]
+    reference = log_softmax(idle_server.model.logits(SCORED_IDS))
+    assert len(entries) == len(SCORED_IDS) and entries[0] is None
+    for k, entry in enumerate(entries[1:], start=1):
+        token = SCORED_IDS[k]
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(reference[k - 1, token], abs=LOGPROB_ATOL)
+        likelier = [np.sum(reference[k - 1] > mine["logprob"] + sign * LOGPROB_ATOL) for sign in (1, -1)]
+        assert 1 + likelier[0] <= mine["rank"] <= 1 + likelier[1]
+        assert sorted(v["rank"] for v in entry.values())[:2] == [1, 2] and len(entry) <= 3
+    assert "prompt_logprobs" not in greedy(idle_server.client(), prompt=SCORED_IDS, max_tokens=2).choices[0].model_extra
 
 
 def test_streamed_completion_matches_the_plain_one(idle_server):
