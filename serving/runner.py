@@ -42,6 +42,10 @@ from qwen35_jax.serving.pools import TRASH_PAGE
 log = logging.getLogger(__name__)
 
 MAX_COMPILE_WORKERS = 8  # XLA compiles in parallel threads; more than 8 mostly adds host memory
+# The smallest chunk bucket beside decode rows. Up to a few hundred rows, the dense layers read every weight
+# once whatever the row count (they are memory-bound), and the GDN prefill works in 64-token chunks, so a
+# shorter chunk padded to 64 costs the same step time and each decode bucket needs fewer unified programs.
+UNIFIED_MIN_CHUNK = 64
 
 
 def power_of_two_buckets(largest: int, smallest: int = 1) -> tuple[int, ...]:
@@ -73,6 +77,11 @@ class Buckets:
             chunk=power_of_two_buckets(max_prefill_tokens, smallest=min(16, max_prefill_tokens)),
         )
 
+    @property
+    def unified_chunk(self) -> tuple[int, ...]:
+        """Chunk buckets of the unified programs: those from UNIFIED_MIN_CHUNK (or the largest, if smaller)."""
+        return tuple(t for t in self.chunk if t >= min(UNIFIED_MIN_CHUNK, self.chunk[-1]))
+
     def row_programs(self) -> list[tuple[str, int]]:
         """(kind, output rows B + P) of every row program: a sampler and a top-logprobs program per row count."""
         return [(kind, r) for kind in ROW_PROGRAMS for r in sorted({b + p for b, p, _ in self.keys()})]
@@ -81,15 +90,20 @@ class Buckets:
         """Every (B, P, T) program: decode-only, prefill-only and unified."""
         decode = [(b, 0, 0) for b in self.decode]
         prefill = [(0, p, t) for p in self.prefill_rows for t in self.chunk]
-        unified = [(b, p, t) for b in self.decode for p in self.prefill_rows for t in self.chunk]
-        return decode + prefill + unified
+        return decode + prefill + self.unified_keys()
+
+    def unified_keys(self, chunks: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
+        """The unified programs, at the given chunk buckets (all of them by default)."""
+        chunks = self.unified_chunk if chunks is None else chunks
+        return [(b, p, t) for b in self.decode for p in self.prefill_rows for t in chunks]
 
     def key_for(self, plan: StepPlan) -> tuple[int, int, int]:
         b = bucket_for(plan.num_decode_rows, self.decode) if plan.decode else 0
         if not plan.prefill:
             return b, 0, 0
         longest = max(len(c.token_ids) for c in plan.prefill)
-        return b, bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, self.chunk)
+        chunks = self.unified_chunk if b else self.chunk
+        return b, bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, chunks)
 
 
 ROW_PROGRAMS = ("sample", "top")
@@ -280,21 +294,22 @@ class Runner:
         self.executables[key] = executable
         memory = executable.memory_analysis()
         self.temp_bytes[key] = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
-        log.info("compiled step B=%d P=%d T=%d in %.2fs (%.1f MiB scratch)", *key, self.compile_seconds[key],
-                 self.temp_bytes[key] / 2**20)  # fmt: skip
+        log.info("compiled step B=%d P=%d T=%d in %.2fs (%.2fs of it lowering; %.1f MiB scratch)", *key,
+                 self.compile_seconds[key], lower_seconds, self.temp_bytes[key] / 2**20)  # fmt: skip
         return executable
 
     def compile(self, key) -> object:
         return self._lower_and_compile(key, self._lower, self._compile_lowered)
 
-    def compile_all(self, progress=None, workers: int | None = None) -> float:
-        """Compiles every bucket not compiled yet and returns the wall seconds it took. Tracing and lowering
+    def compile_all(self, progress=None, workers: int | None = None, keys=None) -> float:
+        """Compiles every bucket not compiled yet (or those of `keys`), and every row program, and returns the
+        wall seconds it took. Tracing and lowering
         run here, one program after another (they hold the GIL); XLA's compiles, which release it, run in
         `workers` threads at once, so start-up scales with the host's cores instead of the bucket count.
         progress(total), if given, returns a bar (`update(n)`, `close()`) advanced as each compile ends,
         from the start: lowering overlaps the compiles, so the bar moves while programs are still lowered."""
         start = time.perf_counter()
-        keys = [key for key in self.buckets.keys() if key not in self.executables]
+        keys = [key for key in (self.buckets.keys() if keys is None else keys) if key not in self.executables]
         rows = [key for key in self.buckets.row_programs() if key not in self.row_executables]
         jobs = [(key, self._lower, self._compile_lowered) for key in keys]
         jobs += [(key, self._lower_row_program, self._compile_row_lowered) for key in rows]
