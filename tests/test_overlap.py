@@ -237,6 +237,32 @@ def test_stream_on_the_cpu_runs_the_off_programs_with_a_measured_budget(stream_b
 # ---- same plans, same bits; own plans, same greedy tokens ---------------------------------------------
 
 
+def test_the_region_side_of_the_decode_mixers_computes_what_the_pool_side_does(
+    engines, tiny_model, stream_engine, monkeypatch
+):
+    """On a GPU the decode-side GDN mixers of a stream program get the rows' states gathered out of the pools
+    and scattered back, instead of the pools in place. Here the annotations are turned into plain calls, so the
+    same program code runs on the CPU: replayed plans must give off's bits, with each request's states intact."""
+    import qwen35_jax.model as model_module
+    import qwen35_jax.serving.runner as runner_module
+
+    requests = mixed_requests(8, seed=5, sampled_every=4)
+    recorder = LaunchRecorder(stream_engine.runner, monkeypatch)
+    generate(stream_engine, requests)
+    assert any(plan.action == "overlap_launch" for plan in recorder.plans)
+    monkeypatch.setattr(runner_module, "annotates_streams", lambda *args: True)
+    monkeypatch.setattr(runner_module, "region_mixers", lambda mixers: mixers)
+    monkeypatch.setattr(model_module, "on_stream", lambda fn, stream: fn)
+    regions = engines.build(tiny_model, compile_now=False, decode_overlap="stream", **LIMITS)
+    try:
+        assert regions.runner.streams
+        logprobs = {plan_row.request_id: 0 for plan, _, _ in recorder.steps for plan_row in plan.prefill}
+        replay(regions.runner, recorder.steps, logprobs)
+    finally:
+        engines.release(regions)
+
+
+
 def test_stream_plans_replayed_through_off_give_the_same_bits(stream_engine, off_engine, monkeypatch):
     """32 mixed requests (greedy and seeded sampling, logprobs) on the stream engine; every step it launched is
     then launched again, plan and sampling rows as they were, through the off engine's runner. Same programs and
