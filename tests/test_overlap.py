@@ -262,7 +262,6 @@ def test_the_region_side_of_the_decode_mixers_computes_what_the_pool_side_does(
         engines.release(regions)
 
 
-
 def test_stream_plans_replayed_through_off_give_the_same_bits(stream_engine, off_engine, monkeypatch):
     """32 mixed requests (greedy and seeded sampling, logprobs) on the stream engine; every step it launched is
     then launched again, plan and sampling rows as they were, through the off engine's runner. Same programs and
