@@ -57,20 +57,29 @@ class GrammarCompiler:
             raise GrammarError(str(err)) from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+            raise GrammarError(_first_line(matcher.get_error()))
         return Grammar(matcher, mask_words(self.vocab_size))
 
     def json_object(self) -> Grammar:
         return self.json_schema(ANY_JSON_OBJECT)
 
 
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "llguidance gave no reason"
+
+
 class Grammar:
     """A compiled grammar at its start, shared by the choices of one request and never advanced itself."""
 
     def __init__(self, matcher: llguidance.LLMatcher, words: int):
+        """Raises GrammarError when the grammar cannot even start (a schema that only refers to itself, say)."""
         self._matcher = matcher
         self._first_mask = np.zeros((1, words), np.int32)
         llguidance.numpy.fill_next_token_bitmask(matcher, self._first_mask, 0)
+        if matcher.is_error():
+            raise GrammarError(_first_line(matcher.get_error()))
+        if not self._first_mask.any():
+            raise GrammarError("the schema admits no JSON value")
 
     def start(self) -> GrammarState:
         """A walk of its own for one engine request (copying a matcher costs under a microsecond)."""
@@ -87,6 +96,7 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, mask: np.ndarray):
         self._matcher = matcher
         self._mask = mask  # [1, words] int32, the layout llguidance.numpy fills
+        self._dead_end = False  # not finished, yet no token may follow: a sampler row would pick from none
 
     @property
     def mask(self) -> np.ndarray:
@@ -100,7 +110,9 @@ class GrammarState:
 
     @property
     def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
+        if self._dead_end:
+            return "the grammar allows no next token"
+        return _first_line(self._matcher.get_error()) if self._matcher.is_error() else None
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False when the grammar refused it or failed (then `error` says why)."""
@@ -108,4 +120,5 @@ class GrammarState:
             return False
         if not self.finished:
             llguidance.numpy.fill_next_token_bitmask(self._matcher, self._mask, 0)
-        return not self._matcher.is_error()
+            self._dead_end = not self._mask.any()
+        return not self._matcher.is_error() and not self._dead_end

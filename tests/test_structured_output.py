@@ -151,7 +151,9 @@ def test_eos_is_allowed_exactly_when_the_grammar_accepts(compiler):
     ({"type": "string", "pattern": "("}, "regex"),
     ({"$ref": "#/definitions/missing"}, "missing"),
     ({"type": "string", "format": "no-such-format"}, "format"),
-], ids=["type", "pattern", "ref", "format"])  # fmt: skip
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "."),  # compiles, but cannot start
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "Unsatisfiable"),
+], ids=["type", "pattern", "ref", "format", "only-itself", "unsatisfiable"])  # fmt: skip
 def test_schemas_that_cannot_compile_raise_grammar_error(compiler, schema, words):
     with pytest.raises(GrammarError, match=words):
         compiler.json_schema(schema)
