@@ -67,7 +67,7 @@ class RequestPreparer:
 
     def __init__(self, engine, tokenizer, config: ServerConfig):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
-        # Built once (about 3 s at Qwen3.5's vocabulary, docs/structured_output.md); the grammar allows the EOS
+        # Built once (about 2 s at Qwen3.5's vocabulary on a CPU, docs/structured_output.md); the grammar allows the EOS
         # ids the engine stops on.
         self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer, config.vocab_size,
                                                                         engine.eos_token_ids)  # fmt: skip

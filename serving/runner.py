@@ -11,9 +11,9 @@ late (`StepHandle.fetch`), after it has launched the next step.
 
 A step program picks each row's greedy token and its logprob. Two small "row programs" per output row
 count (B + P) follow it when the host, from the requests, knows they are needed: the sampler, when a row
-samples (temperature > 0), is penalised, has a logit_bias or a grammar's token mask, picks those rows' tokens
-from the step's logits and overwrites them in `token_state`; the top-logprobs program, when a row asks for top logprobs, runs the full-vocabulary top-k
-(a sort in XLA) that other steps skip. Nothing in any program depends on a device value the host must
+samples (temperature > 0), is penalised, has a logit_bias or a grammar's token mask, picks those rows'
+tokens from the step's logits and overwrites them in `token_state`; the top-logprobs program, when a row
+asks for top logprobs, runs the full-vocabulary top-k (a sort in XLA) that other steps skip. Nothing in any program depends on a device value the host must
 read: a `lax.cond` on "does any row sample" made XLA's GPU runtime wait for the device inside every launch.
 """
 
