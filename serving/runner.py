@@ -11,9 +11,9 @@ late (`StepHandle.fetch`), after it has launched the next step.
 
 A step program picks each row's greedy token and its logprob. Two small "row programs" per output row
 count (B + P) follow it when the host, from the requests, knows they are needed: the sampler, when a row
-samples (temperature > 0), draws those rows' tokens from the step's logits and overwrites them in
-`token_state`; the top-logprobs program, when a row asks for top logprobs, runs the full-vocabulary top-k
-(a sort in XLA) that other steps skip. Nothing in any program depends on a device value the host must
+samples (temperature > 0), is penalised, has a logit_bias or a grammar's token mask, picks those rows'
+tokens from the step's logits and overwrites them in `token_state`; the top-logprobs program, when a row
+asks for top logprobs, runs the full-vocabulary top-k (a sort in XLA) that other steps skip. Nothing in any program depends on a device value the host must
 read: a `lax.cond` on "does any row sample" made XLA's GPU runtime wait for the device inside every launch.
 """
 
@@ -35,7 +35,7 @@ from qwen35_jax.cache import CacheSpec, new_cache
 from qwen35_jax.kernels import Mixers, region_mixers
 from qwen35_jax.model import ModelDef, forward
 from qwen35_jax.sampling import MAX_LOGIT_BIAS
-from qwen35_jax.serving.device_sampling import SamplingRows, greedy, resample, top_logprobs
+from qwen35_jax.serving.device_sampling import SamplingRows, greedy, mask_words, resample, top_logprobs
 from qwen35_jax.serving.plan import StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE
 
@@ -185,6 +185,9 @@ class Runner:
         self.token_state = jnp.zeros(spec.num_slots, jnp.int32)
         # Each slot's output-token counts, for presence/frequency penalties (kept by the sampler program).
         self.output_counts = jnp.zeros((spec.num_slots, model_def.cfg.vocab_size), jnp.int32)
+        self.mask_words = mask_words(model_def.cfg.vocab_size)
+        # All-allowed token masks on the device, by row count: sampler steps without a grammar row send none.
+        self._no_masks: dict[int, jax.Array] = {}
         self.executables: dict[tuple[int, int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self.temp_bytes: dict[tuple[int, int, int], int] = {}  # device scratch of each program
@@ -260,7 +263,8 @@ class Runner:
             return self._row_jitted["top"].lower(logits, i32((r,)))
         u32 = jax.ShapeDtypeStruct((r,), jnp.uint32)
         rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)), u32, u32, i32((r,)),
-                            i32((r, MAX_LOGIT_BIAS)), f32((r, MAX_LOGIT_BIAS)), f32((r,)), f32((r,)))  # fmt: skip
+                            i32((r, MAX_LOGIT_BIAS)), f32((r, MAX_LOGIT_BIAS)), f32((r,)), f32((r,)),
+                            i32((r, self.mask_words)))  # fmt: skip
         return self._row_jitted["sample"].lower(logits, rows, self.token_state, self.output_counts, i32((r,)),
                                                 i32((r,)))  # fmt: skip
 
@@ -373,7 +377,7 @@ class Runner:
             self._param_leaves, self.cache, self.token_state, inputs
         )
         if any(row.temperature > 0 or row.logit_bias or row.presence_penalty or row.frequency_penalty
-               for row in sampling):  # fmt: skip
+               or row.token_mask is not None for row in sampling):  # fmt: skip
             tokens, chosen = self._sample(plan, key, inputs, sampling, logits, tokens)
         top_ids = top_lp = None
         if any(row.logprobs for row in sampling):
@@ -389,13 +393,25 @@ class Runner:
         num_decode, rows_total = len(plan.decode), key[0] + key[1]
         # Output rows are [B decode bucket | P prefill bucket]: pad each side to its bucket.
         padded = [*sampling[:num_decode], *[None] * (key[0] - num_decode), *sampling[num_decode:]]
-        rows = SamplingRows.from_rows(padded, rows_total)
+        rows = SamplingRows.from_rows(padded, rows_total, self._token_masks(padded, rows_total))
         slots = np.concatenate([side.slots for side in (inputs.decode, inputs.prefill) if side is not None])
         sampler = self.row_program("sample", rows_total)
         self.token_state, self.output_counts, tokens, chosen = sampler(
             logits, rows, self.token_state, self.output_counts, slots, tokens
         )
         return tokens, chosen
+
+    def _token_masks(self, rows: list, num_rows: int):
+        """[num_rows, mask_words] int32: each grammar row's packed mask, every token allowed in the others."""
+        if all(row is None or row.token_mask is None for row in rows):
+            if num_rows not in self._no_masks:
+                self._no_masks[num_rows] = jax.device_put(np.full((num_rows, self.mask_words), -1, np.int32))
+            return self._no_masks[num_rows]
+        allowed = np.full((num_rows, self.mask_words), -1, np.int32)
+        for i, row in enumerate(rows):
+            if row is not None and row.token_mask is not None:
+                allowed[i] = row.token_mask
+        return allowed
 
     def cache_lost(self) -> bool:
         """True when a failed step consumed the donated caches."""

@@ -668,7 +668,13 @@ def sampling_rows(n: int, **columns) -> SamplingRows:
     """n rows; each column a scalar for every row or a length-n sequence."""
     defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_index=0)
     values = {k: np.broadcast_to(np.asarray(v), (n,)) for k, v in (defaults | columns).items()}
-    return SamplingRows.from_rows([SamplingRow(**{k: v[i].item() for k, v in values.items()}) for i in range(n)], n)
+    return SamplingRows.from_rows([SamplingRow(**{k: v[i].item() for k, v in values.items()}) for i in range(n)], n,
+                                  all_allowed(n))  # fmt: skip
+
+
+def all_allowed(n: int) -> np.ndarray:
+    """Masks that allow every token of every vocabulary these tests use (512 tokens at most)."""
+    return np.full((n, device_sampling.mask_words(512)), -1, np.int32)
 
 
 def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> np.ndarray:
@@ -682,7 +688,7 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     greedy_rows = [i for i, t in enumerate(temperature) if t == 0.0]
     assert np.asarray(tokens)[greedy_rows].tolist() == np.argmax(logits[greedy_rows], axis=-1).tolist()
     # Padding rows from `from_rows` are greedy.
-    padded = SamplingRows.from_rows([SamplingRow(1.0, 0, 1.0, 0.0, 1, 0)], pad_to=8)
+    padded = SamplingRows.from_rows([SamplingRow(1.0, 0, 1.0, 0.0, 1, 0)], pad_to=8, allowed=all_allowed(8))
     tokens, *_ = sample_jit(logits, padded, 4)
     assert np.asarray(tokens)[1:].tolist() == np.argmax(logits[1:], axis=-1).tolist()
 
@@ -708,7 +714,7 @@ def test_logit_bias_moves_greedy_and_sampled_picks_and_leaves_logprobs_unbiased(
     rows = SamplingRows.from_rows([SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, 0, ((7, 100.0),)),
                                    SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, 0, ((int(np.argmax(logits[1])), -100.0),)),
                                    SamplingRow(1.0, 0, 1.0, 0.0, 3, 0, 0, ((11, 100.0),)),
-                                   SamplingRow(0.0, 0, 1.0, 0.0, 0, 0)], 4)  # fmt: skip
+                                   SamplingRow(0.0, 0, 1.0, 0.0, 0, 0)], 4, all_allowed(4))  # fmt: skip
     tokens, chosen, *_ = (np.asarray(x) for x in sample_jit(logits, rows, 1))
     reference = logits.astype(np.float64).copy()
     reference[0, 7] += 100.0
