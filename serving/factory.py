@@ -149,6 +149,7 @@ def compile_overlapped(runner: Runner, bound: float, progress=None) -> OverlapBu
         open_rows = [b for b in open_rows if costs[(b, 1, chunk)] <= bound * costs[(b, 0, 0)]]
         if not open_rows:
             break
+    log.info("step costs (ms): %s", ", ".join(f"{key}: {cost * 1e3:.2f}" for key, cost in sorted(costs.items())))
     budget = OverlapBudget.from_costs(costs, bound)
     log.info("overlapped steps within %.2fx of decode: %s", bound,
              ", ".join(f"B<={rows}: {tokens} prompt tokens" for rows, tokens in budget.limits))  # fmt: skip
