@@ -1,10 +1,16 @@
-"""Per-row sampling on the device: greedy, temperature, top_k, top_p, min_p, a seed per request, logprobs.
+"""Per-row sampling on the device: greedy, temperature, top_k, top_p, min_p, a seed per request, a grammar's
+token mask, logprobs.
 
 Randomness is keyed by (request seed, index of the token in the request's output), never by the step or
 the row, and each token id draws its own noise, so a seeded request samples the same tokens whatever else shares
 its batch: a reordering of near-tied logits moves no noise between tokens. The seed is a whole 64-bit integer.
 Filters apply in the order temperature -> top_k -> top_p -> min_p over probabilities sorted once per row; the
 draw is a Gumbel-max over the kept set. Logprobs are of the unfiltered distribution at temperature 1 (as OpenAI).
+
+A row under a grammar (serving/structured_output.py) carries a packed mask of the tokens it may take: the
+tokens outside it are dropped after penalties and logit_bias, before the filters and the pick, so top_k and
+top_p act on the allowed tokens. Its logprobs stay the model's (vLLM's default, raw logprobs): a token the
+grammar forced may be one the model found unlikely, and its logprob says so.
 """
 
 from __future__ import annotations
@@ -33,11 +39,12 @@ class SamplingRows:
     presence: jax.Array  # [R] fp32: presence_penalty
     frequency: jax.Array  # [R] fp32: frequency_penalty
     repetition: jax.Array  # [R] fp32: repetition_penalty (1 = off)
+    allowed: jax.Array  # [R, W >= ceil(V / 32)] int32: packed token masks (`pack_mask`); all bits set = no grammar
 
     @staticmethod
-    def from_rows(rows: list, pad_to: int) -> SamplingRows:
+    def from_rows(rows: list, pad_to: int, allowed) -> SamplingRows:
         """rows: SamplingParams-like objects with an `output_index` attribute, or None for a padding row;
-        padded to pad_to rows. Padding rows are greedy."""
+        padded to pad_to rows. Padding rows are greedy. allowed: the rows' packed masks, [pad_to, words]."""
 
         def column(name, dtype, default):
             values = [default if r is None else getattr(r, name) for r in rows] + [default] * (pad_to - len(rows))
@@ -52,7 +59,27 @@ class SamplingRows:
             output_index=column("output_index", np.int32, 0), **_bias_columns(rows, pad_to),
             presence=column("presence_penalty", np.float32, 0.0), frequency=column("frequency_penalty", np.float32, 0.0),
             repetition=column("repetition_penalty", np.float32, 1.0),
+            allowed=allowed,
         )  # fmt: skip
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one packed token mask."""
+    return -(-vocab_size // 32)
+
+
+def pack_mask(allowed: np.ndarray) -> np.ndarray:
+    """[..., V] bool -> [..., ceil(V / 32)] int32 words: token t is bit t % 32 of word t // 32, as llguidance
+    writes its masks (the bits past V are clear). The host form of `unpack_mask`."""
+    padded = np.zeros((*allowed.shape[:-1], mask_words(allowed.shape[-1]) * 32), bool)
+    padded[..., : allowed.shape[-1]] = allowed
+    return np.packbits(padded, axis=-1, bitorder="little").view("<i4")
+
+
+def unpack_mask(words: jax.Array, vocab_size: int) -> jax.Array:
+    """[R, W] int32 packed masks -> [R, vocab_size] bool."""
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
 def _bias_columns(rows: list, pad_to: int) -> dict[str, np.ndarray]:
@@ -139,13 +166,16 @@ def penalized(logits: jax.Array, rows: SamplingRows, counts: jax.Array, in_promp
 
 def resample(logits: jax.Array, rows: SamplingRows, tokens: jax.Array, counts: jax.Array | None = None,
              in_prompt: jax.Array | None = None):  # fmt: skip
-    """The tokens of rows with temperature > 0 replaced by a draw, and of greedy rows with penalties or a
-    logit_bias by the argmax of what those make of the logits; returns (tokens [R] int32, their logprobs, of the
-    unmodified logits). counts: [R, V] output-token counts of the rows, and in_prompt: [R, V] which tokens their
-    prompts hold, for the penalties."""
+    """The tokens of rows with temperature > 0 replaced by a draw, and of greedy rows with penalties, a
+    logit_bias or a token mask by the argmax of what those make of the logits; returns (tokens [R] int32, their
+    logprobs, of the unmodified logits). counts: [R, V] output-token counts of the rows, and in_prompt: [R, V]
+    which tokens their prompts hold, for the penalties. vLLM's order: repetition, presence and frequency, then
+    logit_bias, then the grammar's mask."""
     shifted = logits if counts is None else penalized(logits, rows, counts, in_prompt)
     shifted = _with_bias(shifted, rows)
-    has_bias = jnp.any(rows.bias_values != 0, axis=-1) | (rows.presence != 0) | (rows.frequency != 0)
+    shifted = jnp.where(unpack_mask(rows.allowed, logits.shape[-1]), shifted, -jnp.inf)
+    masked = jnp.any(rows.allowed != -1, axis=-1)
+    has_bias = jnp.any(rows.bias_values != 0, axis=-1) | (rows.presence != 0) | (rows.frequency != 0) | masked
     has_bias |= rows.repetition != 1
     greedy = jnp.where(has_bias, jnp.argmax(shifted, axis=-1), tokens)
     tokens = jnp.where(rows.temperature > 0, _draw(shifted, rows), greedy).astype(jnp.int32)

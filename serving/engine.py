@@ -11,6 +11,10 @@ inline (`run_until_done`). Outputs are delivered through each request's `on_outp
 
 A request is two objects here: its `Generation` (this module: what the engine needs to turn sampled tokens
 into outputs) and the scheduler's `Request` (plan.py: prompt, slot, pages and launch-time counters).
+
+A request under a grammar (`response_format`, structured_output.py) is the exception to one step late: its next
+token's mask depends on the token just sampled, so it gets its next row only once the host has read that
+token (`Scheduler.token_read`) and advanced its `GrammarState`. Other requests' rows are launched as before.
 """
 
 from __future__ import annotations
@@ -20,12 +24,18 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.serving.plan import OVERLAP_COMPLETE, OVERLAP_LAUNCH, OVERLAP_WAIT, Request, StepPlan
 from qwen35_jax.serving.runner import StepHandle
 from qwen35_jax.serving.scheduler import RequestRejected, Scheduler, step_action
 from qwen35_jax.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+if TYPE_CHECKING:  # the engine runs grammars it is given; only the HTTP side compiles them (and imports llguidance)
+    from qwen35_jax.serving.structured_output import Grammar, GrammarState
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +53,7 @@ class GenerationParams:
     # top-N logprobs at each prompt token after the first (beside the token's own); None = none. The prompt's
     # chunks then run in prompt-logprobs steps, and the first output delivered carries them all.
     prompt_logprobs: int | None = None
+    grammar: Grammar | None = None  # response_format's compiled grammar: the output must follow it
 
 
 @dataclasses.dataclass
@@ -95,6 +106,7 @@ class Generation:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # gathered chunk by chunk
     prompt_logprobs_sent: bool = False
+    grammar: GrammarState | None = None  # where the output stands in its grammar, advanced as tokens are read
 
 
 @dataclasses.dataclass
@@ -112,6 +124,7 @@ class SamplingRow:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    token_mask: np.ndarray | None = None  # [ceil(vocab / 32)] int32: the tokens a grammar allows (None: all)
 
 
 class Engine:
@@ -142,8 +155,9 @@ class Engine:
         self.check(len(prompt_ids), params.max_tokens, scored)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id=request_id, prompt_ids=list(prompt_ids), max_tokens=params.max_tokens,
-                          prompt_logprobs=scored)  # fmt: skip
-        gen = Generation(request, params, on_output, *self._text_tools(params))
+                          prompt_logprobs=scored, waits_for_tokens=params.grammar is not None)  # fmt: skip
+        grammar = None if params.grammar is None else params.grammar.start()
+        gen = Generation(request, params, on_output, *self._text_tools(params), grammar=grammar)
         with self._wake:
             # A live duplicate would make the loop's scheduler.add raise, which would stop the engine.
             if request_id in self.generations or any(g.request.request_id == request_id for g in self._inbox):
@@ -215,9 +229,11 @@ class Engine:
             gen = self.generations[row.request_id]
             s = gen.params.sampling
             index = gen.request.num_output_tokens - 1  # counted at schedule time for this step
+            samples = getattr(row, "is_last", True)  # a chunk before the prompt's last samples nothing
+            mask = gen.grammar.mask if gen.grammar is not None and samples else None
             rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index, gen.params.logprobs or 0,
                                     s.logit_bias, s.presence_penalty, s.frequency_penalty,
-                                    s.repetition_penalty))  # fmt: skip
+                                    s.repetition_penalty, mask))  # fmt: skip
         return rows
 
     def _launch(self, plan: StepPlan) -> StepHandle | None:
@@ -275,6 +291,8 @@ class Engine:
             self._finish(request_id, "length", emit=True)
             return
         gen.output_ids.append(token)
+        if gen.grammar is not None and not self._advance_grammar(gen, token):
+            return
         reason = self._finish_reason(gen, token)
         text, stopped = self._text_delta(gen, token, reason)
         lps = None
@@ -286,8 +304,24 @@ class Engine:
         if stopped or reason is not None:
             self._finish(request_id, "stop" if stopped else reason, emit=True)
 
+    def _advance_grammar(self, gen: Generation, token: int) -> bool:
+        """Moves the request's grammar past its token and lets the scheduler give it its next row; False (and the
+        request failed) when the grammar refused the token or ran out of its limits."""
+        request_id = gen.request.request_id
+        self.scheduler.token_read(request_id)
+        if gen.grammar.accept(token):
+            return True
+        message = f"the response_format grammar failed at output token {len(gen.output_ids)}: {gen.grammar.error}"
+        log.error("%s: %s", request_id, message)
+        self._finish(request_id, "error", emit=True, error=message)
+        return False
+
+    def _is_stop_token(self, gen: Generation, token: int) -> bool:
+        return token in gen.params.stop_token_ids or (not gen.params.ignore_eos and token in self.eos_token_ids)
+
     def _finish_reason(self, gen: Generation, token: int) -> str | None:
-        if token in gen.params.stop_token_ids or (not gen.params.ignore_eos and token in self.eos_token_ids):
+        # A complete grammar takes no more tokens: its last one ends the output, as a stop string would.
+        if self._is_stop_token(gen, token) or (gen.grammar is not None and gen.grammar.finished):
             return "stop"
         if len(gen.output_ids) >= gen.params.max_tokens:
             return "length"
@@ -297,7 +331,7 @@ class Engine:
         """New text for this token (a stop token adds none) and whether a stop string ended the output."""
         if gen.detokenizer is None:
             return "", False
-        text = "" if reason == "stop" else gen.detokenizer.push([token])
+        text = "" if self._is_stop_token(gen, token) else gen.detokenizer.push([token])
         if reason is not None:
             text += gen.detokenizer.flush()
         if gen.stop_matcher is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 
 import jax
@@ -129,20 +130,38 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         max_prefill_chunks=config.max_prefill_chunks, prompt_logprobs_chunk=config.prompt_logprobs_chunk,
     ))  # fmt: skip
     if compile_now:
-        seconds = runner.compile_all(progress)
+        start = time.perf_counter()
+        if config.decode_overlap == "stream":
+            scheduler.overlap_budget = compile_overlapped(runner, config.overlap_step_bound, progress)
+        else:
+            runner.compile_all(progress)
         summed = sum(runner.compile_seconds.values()) + sum(runner.row_compile_seconds.values())
         summed += sum(runner.prompt_compile_seconds.values())
         log.info("compiled %d step programs, %d row programs and %d prompt-logprobs programs in %.1fs (wall; %.1fs "
                  "summed over programs)", runner.num_compiles, runner.num_row_compiles, runner.num_prompt_compiles,
-                 seconds, summed)  # fmt: skip
-        if config.decode_overlap == "stream":
-            scheduler.overlap_budget = overlap_budget(runner, config.overlap_step_bound)
+                 time.perf_counter() - start, summed)  # fmt: skip
     return Engine(runner, scheduler, model.tokenizer, model.config.eos_token_ids)
 
 
-def overlap_budget(runner: Runner, bound: float) -> OverlapBudget:
-    """Measures every program with decode rows and sizes the overlapped steps from them; logs the result."""
-    budget = OverlapBudget.from_costs(runner.measure_step_costs(), bound)
+def compile_overlapped(runner: Runner, bound: float, progress=None) -> OverlapBudget:
+    """Under stream, a step with decode rows carries at most the budget's chunk, so the unified programs past it
+    are never run. They are also the costliest to build (each stream region lowers its kernels on its own). So
+    the decode-only and prefill-only programs are compiled first (with the row and prompt-logprobs programs);
+    then the unified programs one chunk bucket at a time, from the smallest, each wave measured, and a decode
+    bucket stops at its first chunk past the bound. Returns the budget sized from the measured costs; logs it."""
+    buckets = runner.buckets
+    runner.compile_all(progress, keys=[key for key in buckets.keys() if not (key[0] and key[1])])
+    costs = runner.measure_step_costs([(b, 0, 0) for b in buckets.decode])
+    open_rows = list(buckets.decode)
+    for chunk in buckets.unified_chunk:
+        wave = [key for key in buckets.unified_keys((chunk,)) if key[0] in open_rows]
+        runner.compile_all(keys=wave)
+        costs.update(runner.measure_step_costs(wave))
+        open_rows = [b for b in open_rows if costs[(b, 1, chunk)] <= bound * costs[(b, 0, 0)]]
+        if not open_rows:
+            break
+    log.info("step costs (ms): %s", ", ".join(f"{key}: {cost * 1e3:.2f}" for key, cost in sorted(costs.items())))
+    budget = OverlapBudget.from_costs(costs, bound)
     log.info("overlapped steps within %.2fx of decode: %s", bound,
              ", ".join(f"B<={rows}: {tokens} prompt tokens" for rows, tokens in budget.limits))  # fmt: skip
     return budget

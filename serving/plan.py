@@ -144,6 +144,11 @@ class Request:
     finish_reason: str | None = None
     # `step_id` of the next plan at the time the request was added: queueing delay is in steps.
     arrival_step: int = 0
+    # Each token must be read by the host before the next one is launched: a grammar's mask for the next
+    # token depends on it. Such a request gets no decode row while its last sampled token is in flight.
+    waits_for_tokens: bool = False
+    # Output tokens the host has read back (`Scheduler.token_read`); counted only when `waits_for_tokens`.
+    num_read_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -158,6 +163,11 @@ class Request:
     def remaining_tokens(self) -> int:
         """Output tokens still to be sampled before the length limit."""
         return self.max_tokens - self.num_output_tokens
+
+    @property
+    def awaits_token(self) -> bool:
+        """Its next row must wait: its last sampled token has not been read back yet."""
+        return self.waits_for_tokens and self.num_read_tokens < self.num_output_tokens
 
     @property
     def total_reserved_tokens(self) -> int:

@@ -20,6 +20,7 @@ from qwen35_jax.serving.errors import APIError
 from qwen35_jax.serving.parsers import THINK_END, THINK_START, TOOL_START, OutputParser
 from qwen35_jax.serving.scheduler import RequestRejected
 from qwen35_jax.serving.server_config import ServerConfig
+from qwen35_jax.serving.structured_output import Grammar, GrammarCompiler, GrammarError
 from qwen35_jax.tokenizer import IncrementalDetokenizer
 
 ASSISTANT_TURN = "<|im_start|>assistant"  # where the answer starts in a Qwen chat prompt
@@ -79,6 +80,10 @@ class RequestPreparer:
 
     def __init__(self, engine, tokenizer, config: ServerConfig):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        # Built once (about 2 s at Qwen3.5's vocabulary on a CPU, docs/structured_output.md); the grammar allows the EOS
+        # ids the engine stops on.
+        self.grammars = None if tokenizer is None else GrammarCompiler(tokenizer, config.vocab_size,
+                                                                        engine.eos_token_ids)  # fmt: skip
 
     async def completion(self, request: api.CompletionRequest) -> list[Prepared]:
         """One `Prepared` per choice: each prompt of a batch, n times."""
@@ -87,8 +92,10 @@ class RequestPreparer:
             self._need_tokenizer("echo")
         prompt_logprobs = self._prompt_logprobs(request)
         texts, prompts = await self.completion_prompts(request)
+        grammar = await self.grammar(request.response_format)
         params = [self.generation_params(request, len(ids), request.max_tokens,
-                                         self.config.default_completion_max_tokens, request.logprobs, prompt_logprobs)
+                                         self.config.default_completion_max_tokens, request.logprobs,
+                                         prompt_logprobs=prompt_logprobs, grammar=grammar)
                   for ids in prompts]  # fmt: skip
         choices = self._choices(f"cmpl-{uuid.uuid4().hex}", request, prompts, params)
         if request.prompt_logprobs is not None:
@@ -125,10 +132,12 @@ class RequestPreparer:
 
     async def chat(self, request: api.ChatCompletionRequest) -> list[Prepared]:
         self.check_request(request)
-        ids, output_format = await self.chat_prompt(request)
+        grammar = await self.grammar(request.response_format)
+        ids, output_format = await self.chat_prompt(request, structured=grammar is not None)
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.generation_params(request, len(ids), max_tokens, self.config.default_chat_max_tokens, logprobs)
+        params = self.generation_params(request, len(ids), max_tokens, self.config.default_chat_max_tokens, logprobs,
+                                        grammar=grammar)  # fmt: skip
         choices = self._choices(f"chatcmpl-{uuid.uuid4().hex}", request, [ids], [params])
         return [dataclasses.replace(choice, output_format=output_format) for choice in choices]
 
@@ -203,10 +212,12 @@ class RequestPreparer:
             prompts.append(ids)
         return texts, prompts
 
-    async def chat_prompt(self, request: api.ChatCompletionRequest) -> tuple[list[int], OutputFormat]:
+    async def chat_prompt(self, request: api.ChatCompletionRequest,
+                          structured: bool = False) -> tuple[list[int], OutputFormat]:  # fmt: skip
         """The prompt's ids, rendered by the checkpoint's chat template with the request's tools, and the format
         its answer is parsed with. tool_choice "none" renders no tools; "required" or a named function puts the
-        start of a `<tool_call>` block at the head of the answer."""
+        start of a `<tool_call>` block at the head of the answer. A structured answer (`response_format`) is all
+        grammar from its first token, so a prompt that opened the reasoning closes it, as a forced call does."""
         self._need_tokenizer("messages")
         messages = [m.for_template() for m in request.messages]
         kwargs = request.chat_template_kwargs or {}
@@ -222,8 +233,8 @@ class RequestPreparer:
         tail = text[text.rfind(ASSISTANT_TURN) :]
         in_reasoning = tail.rfind(THINK_START) > tail.rfind(THINK_END)
         prefix = _forced_tool_call(request.tool_choice) if tools is not None else ""
-        if prefix and in_reasoning:
-            prefix = "\n" + THINK_END + "\n\n" + prefix  # a forced call skips the reasoning
+        if (prefix or structured) and in_reasoning:
+            prefix = "\n" + THINK_END + "\n\n" + prefix  # a forced call or a structured answer skips the reasoning
         ids = await asyncio.to_thread(self.tokenizer.encode, text + prefix)
         self.check_prompt(ids, "messages")
         output_format = OutputFormat(
@@ -236,8 +247,8 @@ class RequestPreparer:
 
     # ---- parameters --------------------------------------------------------------------------------------
     def generation_params(self, request: api.SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
-                          default_max_tokens: int, logprobs: int | None,
-                          prompt_logprobs: int | None = None) -> GenerationParams:  # fmt: skip
+                          default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                          grammar: Grammar | None = None) -> GenerationParams:  # fmt: skip
         max_tokens = self._max_tokens(num_prompt_tokens, max_tokens, default_max_tokens)
         if logprobs is not None and logprobs > self.config.max_logprobs:
             raise APIError(400, f"at most {self.config.max_logprobs} logprobs per token, got {logprobs}", "logprobs")
@@ -248,8 +259,23 @@ class RequestPreparer:
         return GenerationParams(
             max_tokens=max_tokens, sampling=self._sampling(request), stop=request.stop_strings(),
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, grammar=grammar,
         )  # fmt: skip
+
+    async def grammar(self, response_format: api.ResponseFormat | None) -> Grammar | None:
+        """The compiled grammar of a structured response_format (None for none or `text`). It compiles off the
+        event loop: a large schema takes milliseconds."""
+        if response_format is None or not response_format.constrains:
+            return None
+        if self.grammars is None:
+            raise APIError(400, f"model {self.config.served_model_name!r} has no tokenizer, which response_format "
+                                "needs", "response_format")  # fmt: skip
+        try:
+            if response_format.type == "json_object":
+                return await asyncio.to_thread(self.grammars.json_object)
+            return await asyncio.to_thread(self.grammars.json_schema, response_format.json_schema.json_schema)
+        except GrammarError as err:
+            raise APIError(400, f"response_format: the schema cannot be used: {err}", "response_format") from None
 
     def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, default_max_tokens: int) -> int:
         """The request's max_tokens, or the default capped by the context left; checked against the engine."""

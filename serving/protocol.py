@@ -44,6 +44,27 @@ class StreamOptions(_Strict):
 StopStrings = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`. The schema is always enforced, so `strict` changes nothing."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    # `schema` would shadow pydantic's BaseModel.schema; the alias keeps OpenAI's key.
+    json_schema: Annotated[dict[str, Any], Field(alias="schema")]
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (JSON valid against its schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @property
+    def constrains(self) -> bool:
+        return self.type != "text"
+
+
 class SamplingFields(_Strict):
     """What completions and chat completions share."""
 
@@ -65,6 +86,7 @@ class SamplingFields(_Strict):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None  # vLLM's; 1 is neutral
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
+    response_format: ResponseFormat | None = None  # also on completions, as vLLM takes it
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -76,7 +98,19 @@ def _shared_problems(request: SamplingFields) -> list[tuple[str, str]]:
     problems = []
     if request.stream_options is not None and not request.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
+    problems += _response_format_problems(request.response_format)
     return problems
+
+
+def _response_format_problems(response_format: ResponseFormat | None) -> list[tuple[str, str]]:
+    if response_format is None:
+        return []
+    if response_format.type == "json_schema" and response_format.json_schema is None:
+        return [("response_format", "response_format of type 'json_schema' needs a json_schema: {name, schema}")]
+    if response_format.type != "json_schema" and response_format.json_schema is not None:
+        return [("response_format", f"response_format.json_schema is only allowed with type 'json_schema', not "
+                                    f"{response_format.type!r}")]  # fmt: skip
+    return []
 
 
 class CompletionRequest(SamplingFields):
@@ -138,10 +172,6 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
@@ -150,7 +180,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=512)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -172,8 +201,10 @@ def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> li
         if request.tool_choice.function.name not in names:
             problems.append(("tool_choice", f"tool_choice names {request.tool_choice.function.name!r}, which is not "
                                             f"in tools ({', '.join(sorted(names))})"))  # fmt: skip
-    if request.response_format is not None and request.response_format.type != "text":
-        problems.append(("response_format", f"response_format type {request.response_format.type!r} is not supported"))
+    forced_call = request.tool_choice not in (None, "none", "auto")
+    if forced_call and request.response_format is not None and request.response_format.constrains:
+        problems.append(("response_format", "response_format cannot constrain an answer that tool_choice forces to "
+                                            "be a tool call"))  # fmt: skip
     if request.top_logprobs is not None and not request.logprobs:
         problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
     return problems

@@ -11,12 +11,12 @@ late (`StepHandle.fetch`), after it has launched the next step.
 
 A step program picks each row's greedy token and its logprob. Two small "row programs" per output row
 count (B + P) follow it when the host, from the requests, knows they are needed: the sampler, when a row
-samples (temperature > 0), draws those rows' tokens from the step's logits and overwrites them in
-`token_state`; the top-logprobs program, when a row asks for top logprobs, runs the full-vocabulary top-k
-(a sort in XLA) that other steps skip. A third, `mark_prompt` (one program), records the prompt tokens of
-requests with a repetition penalty before the sampler reads them. Nothing in any program depends on a device
-value the host must read: a `lax.cond` on "does any row sample" made XLA's GPU runtime wait for the device inside
-every launch.
+samples (temperature > 0), is penalised, has a logit_bias or a grammar's token mask, picks those rows'
+tokens from the step's logits and overwrites them in `token_state`; the top-logprobs program, when a row
+asks for top logprobs, runs the full-vocabulary top-k (a sort in XLA) that other steps skip. A third,
+`mark_prompt` (one program), records the prompt tokens of requests with a repetition penalty before the
+sampler reads them. Nothing in any program depends on a device value the host must read: a `lax.cond` on
+"does any row sample" made XLA's GPU runtime wait for the device inside every launch.
 
 A prompt-logprobs step (`StepPlan.prompt_logprobs`: one chunk, no decode rows) runs its own program, one per chunk
 bucket up to `--prompt-logprobs-chunk` (none by default): the prefill step that also scores every prompt token.
@@ -40,13 +40,24 @@ from qwen35_jax.cache import CacheSpec, new_cache
 from qwen35_jax.kernels import Mixers, region_mixers
 from qwen35_jax.model import ModelDef, forward
 from qwen35_jax.sampling import MAX_LOGIT_BIAS
-from qwen35_jax.serving.device_sampling import SamplingRows, greedy, prompt_token_logprobs, resample, top_logprobs
+from qwen35_jax.serving.device_sampling import (
+    SamplingRows,
+    greedy,
+    mask_words,
+    prompt_token_logprobs,
+    resample,
+    top_logprobs,
+)
 from qwen35_jax.serving.plan import StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE
 
 log = logging.getLogger(__name__)
 
 MAX_COMPILE_WORKERS = 8  # XLA compiles in parallel threads; more than 8 mostly adds host memory
+# The smallest chunk bucket beside decode rows. Up to a few hundred rows, the dense layers read every weight
+# once whatever the row count (they are memory-bound), and the GDN prefill works in 64-token chunks, so a
+# shorter chunk padded to 64 costs the same step time and each decode bucket needs fewer unified programs.
+UNIFIED_MIN_CHUNK = 64
 
 
 def power_of_two_buckets(largest: int, smallest: int = 1) -> tuple[int, ...]:
@@ -82,6 +93,11 @@ class Buckets:
             prompt_logprobs_chunk=scored if prompt_logprobs_chunk else (),
         )
 
+    @property
+    def unified_chunk(self) -> tuple[int, ...]:
+        """Chunk buckets of the unified programs: those from UNIFIED_MIN_CHUNK (or the largest, if smaller)."""
+        return tuple(t for t in self.chunk if t >= min(UNIFIED_MIN_CHUNK, self.chunk[-1]))
+
     def row_programs(self) -> list[tuple[str, int]]:
         """(kind, rows) of every row program: a sampler and a top-logprobs program per output row count B + P, and
         the prompt-token marker over the most prompt tokens a step carries."""
@@ -92,8 +108,12 @@ class Buckets:
         """Every (B, P, T) program: decode-only, prefill-only and unified."""
         decode = [(b, 0, 0) for b in self.decode]
         prefill = [(0, p, t) for p in self.prefill_rows for t in self.chunk]
-        unified = [(b, p, t) for b in self.decode for p in self.prefill_rows for t in self.chunk]
-        return decode + prefill + unified
+        return decode + prefill + self.unified_keys()
+
+    def unified_keys(self, chunks: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
+        """The unified programs, at the given chunk buckets (all of them by default)."""
+        chunks = self.unified_chunk if chunks is None else chunks
+        return [(b, p, t) for b in self.decode for p in self.prefill_rows for t in chunks]
 
     def key_for(self, plan: StepPlan) -> tuple[int, int, int]:
         """(B, P, T) of the plan's program; a prompt-logprobs step's is (0, 1, T) in `prompt_logprobs_chunk`."""
@@ -103,7 +123,8 @@ class Buckets:
         if not plan.prefill:
             return b, 0, 0
         longest = max(len(c.token_ids) for c in plan.prefill)
-        return b, bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, self.chunk)
+        chunks = self.unified_chunk if b else self.chunk
+        return b, bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, chunks)
 
 
 ROW_PROGRAMS = ("sample", "top")  # one of each per output row count
@@ -150,8 +171,8 @@ def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, 
 
 
 def sampler_step(logits, rows: SamplingRows, token_state, output_counts, prompt_mask, slots, tokens):
-    """The draw for the sampled rows of a step (greedy rows keep `tokens`, unless penalties or a logit_bias move
-    their argmax); the tokens go into token_state at `slots` (the step's rows, padding rows at the trash slot),
+    """The draw for the sampled rows of a step (greedy rows keep `tokens`, unless penalties, a logit_bias or a
+    grammar's mask move their argmax); the tokens go into token_state at `slots` (the step's rows, padding rows at the trash slot),
     and into each row's output-token counts, which the penalties read beside the slot's prompt tokens
     (`prompt_mask`, read only). A request's first output token (output_index 0) starts its slot's counts from
     zero; a chunk that samples nothing (output_index -1) leaves them.
@@ -221,6 +242,9 @@ class Runner:
         # that have one; other slots' rows are stale, and neutral to a penalty of 1).
         self.output_counts = jnp.zeros((spec.num_slots, model_def.cfg.vocab_size), jnp.int32)
         self.prompt_mask = jnp.zeros((spec.num_slots, model_def.cfg.vocab_size), jnp.bool_)
+        self.mask_words = mask_words(model_def.cfg.vocab_size)
+        # All-allowed token masks on the device, by row count: sampler steps without a grammar row send none.
+        self._no_masks: dict[int, jax.Array] = {}
         self.executables: dict[tuple[int, int, int], object] = {}
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self.temp_bytes: dict[tuple[int, int, int], int] = {}  # device scratch of each program
@@ -314,7 +338,8 @@ class Runner:
                                                        i32((r,)), i32((r,)))  # fmt: skip
         u32 = jax.ShapeDtypeStruct((r,), jnp.uint32)
         rows = SamplingRows(f32((r,)), i32((r,)), f32((r,)), f32((r,)), u32, u32, i32((r,)),
-                            i32((r, MAX_LOGIT_BIAS)), f32((r, MAX_LOGIT_BIAS)), f32((r,)), f32((r,)), f32((r,)))  # fmt: skip
+                            i32((r, MAX_LOGIT_BIAS)), f32((r, MAX_LOGIT_BIAS)), f32((r,)), f32((r,)), f32((r,)),
+                            i32((r, self.mask_words)))  # fmt: skip
         return self._row_jitted["sample"].lower(logits, rows, self.token_state, self.output_counts, self.prompt_mask,
                                                 i32((r,)), i32((r,)))  # fmt: skip
 
@@ -348,8 +373,8 @@ class Runner:
         self.executables[key] = executable
         memory = executable.memory_analysis()
         self.temp_bytes[key] = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
-        log.info("compiled step B=%d P=%d T=%d in %.2fs (%.1f MiB scratch)", *key, self.compile_seconds[key],
-                 self.temp_bytes[key] / 2**20)  # fmt: skip
+        log.info("compiled step B=%d P=%d T=%d in %.2fs (%.2fs of it lowering; %.1f MiB scratch)", *key,
+                 self.compile_seconds[key], lower_seconds, self.temp_bytes[key] / 2**20)  # fmt: skip
         return executable
 
     def compile(self, key) -> object:
@@ -368,14 +393,15 @@ class Runner:
             self._lower_and_compile(t, self._lower_prompt_program, self._compile_prompt_lowered)
         return self.prompt_executables[t]
 
-    def compile_all(self, progress=None, workers: int | None = None) -> float:
-        """Compiles every bucket not compiled yet and returns the wall seconds it took. Tracing and lowering
+    def compile_all(self, progress=None, workers: int | None = None, keys=None) -> float:
+        """Compiles every bucket not compiled yet (or those of `keys`), and every row program and prompt-logprobs
+        program, and returns the wall seconds it took. Tracing and lowering
         run here, one program after another (they hold the GIL); XLA's compiles, which release it, run in
         `workers` threads at once, so start-up scales with the host's cores instead of the bucket count.
         progress(total), if given, returns a bar (`update(n)`, `close()`) advanced as each compile ends,
         from the start: lowering overlaps the compiles, so the bar moves while programs are still lowered."""
         start = time.perf_counter()
-        keys = [key for key in self.buckets.keys() if key not in self.executables]
+        keys = [key for key in (self.buckets.keys() if keys is None else keys) if key not in self.executables]
         rows = [key for key in self.buckets.row_programs() if key not in self.row_executables]
         jobs = [(key, self._lower, self._compile_lowered) for key in keys]
         jobs += [(key, self._lower_row_program, self._compile_row_lowered) for key in rows]
@@ -446,7 +472,7 @@ class Runner:
             )
         self._mark_prompts(plan, sampling[len(plan.decode) :])
         if any(row.temperature > 0 or row.logit_bias or row.presence_penalty or row.frequency_penalty
-               or row.repetition_penalty != 1 for row in sampling):  # fmt: skip
+               or row.repetition_penalty != 1 or row.token_mask is not None for row in sampling):  # fmt: skip
             tokens, chosen = self._sample(plan, key, inputs, sampling, logits, tokens)
         top_ids = top_lp = None
         if any(row.logprobs for row in sampling):
@@ -472,7 +498,7 @@ class Runner:
         num_decode, rows_total = len(plan.decode), key[0] + key[1]
         # Output rows are [B decode bucket | P prefill bucket]: pad each side to its bucket.
         padded = [*sampling[:num_decode], *[None] * (key[0] - num_decode), *sampling[num_decode:]]
-        rows = SamplingRows.from_rows(padded, rows_total)
+        rows = SamplingRows.from_rows(padded, rows_total, self._token_masks(padded, rows_total))
         slots = np.concatenate([side.slots for side in (inputs.decode, inputs.prefill) if side is not None])
         sampler = self.row_program("sample", rows_total)
         self.token_state, self.output_counts, tokens, chosen = sampler(
@@ -494,6 +520,18 @@ class Runner:
         marked = [(c.slot, token) for c in chunks for token in c.token_ids]
         token_slots[: len(marked)], token_ids[: len(marked)] = zip(*marked, strict=True)
         self.prompt_mask = self.row_program(MARK_PROMPT, size)(self.prompt_mask, fresh, token_slots, token_ids)
+
+    def _token_masks(self, rows: list, num_rows: int):
+        """[num_rows, mask_words] int32: each grammar row's packed mask, every token allowed in the others."""
+        if all(row is None or row.token_mask is None for row in rows):
+            if num_rows not in self._no_masks:
+                self._no_masks[num_rows] = jax.device_put(np.full((num_rows, self.mask_words), -1, np.int32))
+            return self._no_masks[num_rows]
+        allowed = np.full((num_rows, self.mask_words), -1, np.int32)
+        for i, row in enumerate(rows):
+            if row is not None and row.token_mask is not None:
+                allowed[i] = row.token_mask
+        return allowed
 
     def cache_lost(self) -> bool:
         """True when a failed step consumed the donated caches."""

@@ -10,6 +10,9 @@ Contract with the engine (it reads sampled tokens one step late):
   `remaining_tokens` reached 0 at schedule time gets no more decode rows but keeps its slot and pages
   until that call, because its last token has not been read yet.
 - `abort(request_id)` when the client goes away, in any state.
+- `token_read(request_id)` when it reads a sampled token of a request that `waits_for_tokens` (one under a
+  grammar): such a request gets its next decode row only after that, so it decodes at most every other
+  step while other requests keep a row in every step.
 - Both free the slot and pages at once, and the very next plan may hand them to another request,
   although the step in flight may still write them (`finish` usually retires a request that also has
   a row in that step). That is safe because the device runs steps in launch order, one compiled
@@ -205,6 +208,14 @@ class Scheduler:
         """Cancel a request in any state; its resources go back at once (see the module docstring)."""
         return self.finish(request_id, "abort")
 
+    def token_read(self, request_id: str) -> None:
+        """The host has read the request's oldest unread sampled token; a request that `waits_for_tokens` may
+        then be given its next decode row."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            assert request.num_read_tokens < request.num_output_tokens, "a token was read before its step launched"
+            request.num_read_tokens += 1
+
     # ---- one step ----------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
@@ -223,7 +234,10 @@ class Scheduler:
         return plan
 
     def _decoders(self) -> list[Request]:
-        return [r for r in self.running.values() if r.remaining_prompt == 0 and r.remaining_tokens > 0]
+        """The requests that get a decode row in an ordinary step: those with tokens left, less those that wait for
+        their last token to be read (`waits_for_tokens`)."""
+        return [r for r in self.running.values()
+                if r.remaining_prompt == 0 and r.remaining_tokens > 0 and not r.awaits_token]  # fmt: skip
 
     def _ordinary_plan(self, decoders: list[Request]) -> StepPlan:
         # Decoders are picked before any chunk launches: a prompt finished in this step has its first

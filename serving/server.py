@@ -5,7 +5,8 @@ One request's journey, file by file:
 1. middleware.py: the gate checks the API key and the body size, before any routing or parsing.
 2. protocol.py: pydantic parses the body; strict types, and an unknown field is refused.
 3. prompts.py: the checks that need the model (name, vocabulary, context length), then the prompt's token
-   ids and the `GenerationParams`, as a `Prepared`.
+   ids and the `GenerationParams` (with the grammar of a `response_format`, structured_output.py), as a
+   `Prepared`.
 4. server.py, `OpenAIServer.submit`: a 429 when the server is full, else `Engine.submit` with a
    `Submission` (submission.py) to receive the outputs.
 5. engine.py: the engine thread keeps the request's `Generation` and gives the scheduler its `Request`

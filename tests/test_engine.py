@@ -49,8 +49,8 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src
 
 @pytest.fixture(scope="module")
 def engine(engines, tiny_model):
-    """Every bucket compiled at build: decode B in {1, 2, 4}, chunk T in {16, 32, 64}, and every B x T; and the
-    prompt-logprobs steps of chunk T in {16, 32}."""
+    """Every bucket compiled at build: decode B in {1, 2, 4}, chunk T in {16, 32, 64}, and every B at T = 64 (the
+    unified programs start at UNIFIED_MIN_CHUNK); and the prompt-logprobs steps of chunk T in {16, 32}."""
     engine = engines.build(tiny_model, max_batch=4, max_prefill_tokens=64, max_model_len=512, prompt_logprobs_chunk=32)
     yield engine
     engines.release(engine)
@@ -58,8 +58,8 @@ def engine(engines, tiny_model):
 
 @pytest.fixture(scope="module")
 def chunked_engine(engines, tiny_model, engine):
-    """The same model and pools with a 16-token prefill budget. Its programs have the shapes of seven of
-    `engine`'s (`engine` is built first), so they load from the session's compile cache."""
+    """The same model and pools with a 16-token prefill budget. Its decode-only and prefill-only programs have
+    the shapes of `engine`'s (`engine` is built first), so they load from the session's compile cache."""
     chunked = engines.build(tiny_model, max_batch=4, max_prefill_tokens=16, max_model_len=512)
     yield chunked
     engines.release(chunked)
@@ -319,7 +319,8 @@ def test_penalties_match_the_host_order_of_operations():
     outputs = [np.concatenate([order[i, : int(s.repetition_penalty >= 1)], rng.integers(0, vocab, 11)])
                for i, s in enumerate(params)]  # fmt: skip
     rows = SamplingRows.from_rows([SamplingRow(0.0, 0, 1.0, 0.0, 0, 12, 0, s.logit_bias, s.presence_penalty,
-                                               s.frequency_penalty, s.repetition_penalty) for s in params], 6)  # fmt: skip
+                                               s.frequency_penalty, s.repetition_penalty) for s in params], 6,
+                                  all_allowed(6))  # fmt: skip
     counts = np.stack([np.bincount(o, minlength=vocab) for o in outputs]).astype(np.int32)
     in_prompt = np.zeros((6, vocab), bool)
     for i, p in enumerate(prompts):
@@ -647,7 +648,7 @@ def test_serving_compiles_nothing_new(engine, monkeypatch):
     row program (sampled decoders and top logprobs at every output row count, the prompt-token marker) and every
     prompt-logprobs program compiles nothing: no new runner program and no XLA compile or cache load at all."""
     runner = engine.runner
-    assert set(runner.compile_seconds) == set(runner.buckets.keys()) and runner.num_compiles == 15
+    assert set(runner.compile_seconds) == set(runner.buckets.keys()) and runner.num_compiles == 9
     every_row_program = {(kind, r) for kind in ("sample", "top") for r in (1, 2, 3, 4, 5)} | {("mark_prompt", 64)}
     assert set(runner.row_compile_seconds) == set(runner.buckets.row_programs()) == every_row_program
     assert set(runner.prompt_compile_seconds) == {16, 32}
@@ -796,7 +797,13 @@ def sampling_rows(n: int, **columns) -> SamplingRows:
     """n rows; each column a scalar for every row or a length-n sequence."""
     defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_index=0)
     values = {k: np.broadcast_to(np.asarray(v), (n,)) for k, v in (defaults | columns).items()}
-    return SamplingRows.from_rows([SamplingRow(**{k: v[i].item() for k, v in values.items()}) for i in range(n)], n)
+    return SamplingRows.from_rows([SamplingRow(**{k: v[i].item() for k, v in values.items()}) for i in range(n)], n,
+                                  all_allowed(n))  # fmt: skip
+
+
+def all_allowed(n: int) -> np.ndarray:
+    """Masks that allow every token of every vocabulary these tests use (512 tokens at most)."""
+    return np.full((n, device_sampling.mask_words(512)), -1, np.int32)
 
 
 def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> np.ndarray:
@@ -810,7 +817,7 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     greedy_rows = [i for i, t in enumerate(temperature) if t == 0.0]
     assert np.asarray(tokens)[greedy_rows].tolist() == np.argmax(logits[greedy_rows], axis=-1).tolist()
     # Padding rows from `from_rows` are greedy.
-    padded = SamplingRows.from_rows([SamplingRow(1.0, 0, 1.0, 0.0, 1, 0)], pad_to=8)
+    padded = SamplingRows.from_rows([SamplingRow(1.0, 0, 1.0, 0.0, 1, 0)], pad_to=8, allowed=all_allowed(8))
     tokens, *_ = sample_jit(logits, padded, 4)
     assert np.asarray(tokens)[1:].tolist() == np.argmax(logits[1:], axis=-1).tolist()
 
@@ -836,7 +843,7 @@ def test_logit_bias_moves_greedy_and_sampled_picks_and_leaves_logprobs_unbiased(
     rows = SamplingRows.from_rows([SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, 0, ((7, 100.0),)),
                                    SamplingRow(0.0, 0, 1.0, 0.0, 0, 0, 0, ((int(np.argmax(logits[1])), -100.0),)),
                                    SamplingRow(1.0, 0, 1.0, 0.0, 3, 0, 0, ((11, 100.0),)),
-                                   SamplingRow(0.0, 0, 1.0, 0.0, 0, 0)], 4)  # fmt: skip
+                                   SamplingRow(0.0, 0, 1.0, 0.0, 0, 0)], 4, all_allowed(4))  # fmt: skip
     tokens, chosen, *_ = (np.asarray(x) for x in sample_jit(logits, rows, 1))
     reference = logits.astype(np.float64).copy()
     reference[0, 7] += 100.0

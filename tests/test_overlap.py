@@ -32,8 +32,8 @@ import pytest
 from test_engine import Collector, StepSpy, assert_same_greedy, greedy, prompt, sampled
 
 from qwen35_jax.serving.engine import TokenLogprob
-from qwen35_jax.serving.factory import EngineConfig, check_overlap
-from qwen35_jax.serving.runner import StepHandle, annotates_streams
+from qwen35_jax.serving.factory import EngineConfig, check_overlap, compile_overlapped
+from qwen35_jax.serving.runner import Buckets, StepHandle, annotates_streams
 from qwen35_jax.serving.scheduler import OverlapBudget
 
 LIMITS = dict(max_batch=4, max_prefill_tokens=64, max_model_len=512)  # test_engine's `engine`: shared programs
@@ -190,6 +190,38 @@ def assert_idle_and_free(engine) -> None:
 # ---- the build ----------------------------------------------------------------------------------------
 
 
+class CostedRunner:
+    """The two Runner methods compile_overlapped uses, over a table of step costs: records what it compiles."""
+
+    def __init__(self, buckets: Buckets, costs: dict):
+        self.buckets, self.costs, self.compiled, self.measured = buckets, costs, [], []
+
+    def compile_all(self, progress=None, keys=None):
+        self.compiled += list(self.buckets.keys() if keys is None else keys)
+
+    def measure_step_costs(self, keys):
+        assert set(keys) <= set(self.compiled), "measured before compiled"
+        self.measured += list(keys)
+        return {key: self.costs[key] for key in keys}
+
+
+def test_stream_compiles_unified_programs_up_to_the_first_chunk_past_the_bound():
+    """Waves from the smallest unified chunk: a decode bucket stops at its first chunk past the bound, so that
+    the larger unified programs, which the budget never picks, are never built."""
+    buckets = Buckets(decode=(1, 4), prefill_rows=(1,), chunk=(16, 32, 64, 128, 256, 512))
+    assert buckets.unified_chunk == (64, 128, 256, 512)
+    costs = {(1, 0, 0): 1.0, (4, 0, 0): 1.0, (1, 1, 64): 2.0, (1, 1, 128): 4.0, (4, 1, 64): 2.5,
+             (4, 1, 128): 2.9, (4, 1, 256): 3.5}  # fmt: skip
+    runner = CostedRunner(buckets, costs)
+    budget = compile_overlapped(runner, bound=3.0)
+    unified = {key for key in runner.compiled if key[0] and key[1]}
+    assert unified == {(1, 1, 64), (1, 1, 128), (4, 1, 64), (4, 1, 128), (4, 1, 256)}
+    assert {key for key in runner.compiled if not (key[0] and key[1])} == {(1, 0, 0), (4, 0, 0)} | {
+        (0, 1, t) for t in buckets.chunk
+    }
+    assert budget.limits == ((1, 64), (4, 128))
+
+
 def test_stream_on_the_cpu_runs_the_off_programs_with_a_measured_budget(stream_build, off_engine):
     """build_engine measures a compiled stream engine and sizes an overlap budget per decode bucket; on the CPU
     the stream runner carries no stream regions, so its programs are off's."""
@@ -203,6 +235,31 @@ def test_stream_on_the_cpu_runs_the_off_programs_with_a_measured_budget(stream_b
 
 
 # ---- same plans, same bits; own plans, same greedy tokens ---------------------------------------------
+
+
+def test_the_region_side_of_the_decode_mixers_computes_what_the_pool_side_does(
+    engines, tiny_model, stream_engine, monkeypatch
+):
+    """On a GPU the decode-side GDN mixers of a stream program get the rows' states gathered out of the pools
+    and scattered back, instead of the pools in place. Here the annotations are turned into plain calls, so the
+    same program code runs on the CPU: replayed plans must give off's bits, with each request's states intact."""
+    import qwen35_jax.model as model_module
+    import qwen35_jax.serving.runner as runner_module
+
+    requests = mixed_requests(8, seed=5, sampled_every=4)
+    recorder = LaunchRecorder(stream_engine.runner, monkeypatch)
+    generate(stream_engine, requests)
+    assert any(plan.action == "overlap_launch" for plan in recorder.plans)
+    monkeypatch.setattr(runner_module, "annotates_streams", lambda *args: True)
+    monkeypatch.setattr(runner_module, "region_mixers", lambda mixers: mixers)
+    monkeypatch.setattr(model_module, "on_stream", lambda fn, stream: fn)
+    regions = engines.build(tiny_model, compile_now=False, decode_overlap="stream", **LIMITS)
+    try:
+        assert regions.runner.streams
+        logprobs = {plan_row.request_id: 0 for plan, _, _ in recorder.steps for plan_row in plan.prefill}
+        replay(regions.runner, recorder.steps, logprobs)
+    finally:
+        engines.release(regions)
 
 
 def test_stream_plans_replayed_through_off_give_the_same_bits(stream_engine, off_engine, monkeypatch):

@@ -261,6 +261,37 @@ def test_max_tokens_one_is_done_after_the_last_chunk():
     assert scheduler.schedule().action == "idle"
 
 
+def test_a_request_that_waits_for_its_tokens_decodes_only_after_each_is_read():
+    """A grammar request's next row waits until the host has read its last token; the other request keeps a row
+    in every step, as it would alone."""
+    g = Request("g", list(range(1000, 1003)), 8, waits_for_tokens=True)
+    u = make_request("u", 3, 8)
+    scheduler = scheduler_with(g, u, max_prefill_tokens=16, max_prefill_chunks=2)
+    plan = scheduler.schedule()
+    assert [c.request_id for c in plan.prefill] == ["g", "u"] and g.awaits_token  # the first token is in flight
+    rows = []
+    for step in range(6):
+        rows.append([row.request_id for row in scheduler.schedule().decode])
+        if step % 2 == 0:  # the engine reads a step's tokens one step late
+            scheduler.token_read("g")
+    assert rows == [["u"], ["g", "u"], ["u"], ["g", "u"], ["u"], ["g", "u"]]
+    assert g.num_read_tokens == 3 and g.num_output_tokens == 4 and u.num_output_tokens == 7
+
+
+def test_a_request_that_waits_for_its_tokens_and_decodes_alone_gets_idle_steps_between_rows():
+    g = Request("g", [7, 8], 3, waits_for_tokens=True)
+    scheduler = scheduler_with(g)
+    actions = [scheduler.schedule().action]
+    for _ in range(2):
+        actions.append(scheduler.schedule().action)
+        scheduler.token_read("g")
+        actions.append(scheduler.schedule().action)
+    assert actions == ["prefill", "idle", "decode", "idle", "decode"]
+    scheduler.token_read("g")
+    with pytest.raises(AssertionError, match="before its step launched"):
+        scheduler.token_read("g")
+
+
 # ---- the `auto` prefill budget ------------------------------------------------------------------
 
 

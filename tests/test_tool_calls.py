@@ -28,6 +28,7 @@ class ScriptedEngine:
         self.answer = ""
         self.prompts: list[list[int]] = []
         self.scheduler = types.SimpleNamespace(config=types.SimpleNamespace(max_batch=8))
+        self.eos_token_ids = frozenset({2})  # the tiny tokenizer's <|im_end|>
 
     def is_running(self) -> bool:
         return True

@@ -61,7 +61,9 @@ def row_costs(runner, rows: int, t: int, repeats: int) -> dict:
 
     vocab = runner.model_def.cfg.vocab_size
     logits = np.random.default_rng(0).standard_normal((rows, vocab)).astype(np.float32)
-    sampling = SamplingRows.from_rows([SamplingRow(0.0, 0, 1.0, 0.0, 0, 3, repetition_penalty=1.2)] * rows, rows)
+    no_grammar = np.full((rows, runner.mask_words), -1, np.int32)  # every token allowed, as a row without a grammar
+    sampling = SamplingRows.from_rows([SamplingRow(0.0, 0, 1.0, 0.0, 0, 3, repetition_penalty=1.2)] * rows, rows,
+                                      no_grammar)  # fmt: skip
     slots, tokens = np.arange(rows, dtype=np.int32), np.zeros(rows, np.int32)
     sampler, mark = runner.row_program("sample", rows), runner.row_program("mark_prompt", t)
     fresh = np.zeros(runner.buckets.prefill_rows[-1], np.int32)

@@ -37,11 +37,12 @@ def build(model, mode: str, args):
     finally:
         runner_module.annotates_streams = annotates
     engine.runner.buckets = Buckets(decode=(args.decoders + 1,), prefill_rows=(1,), chunk=tuple(args.chunks))
-    engine.runner.compile_all()
     if mode == "stream":
-        from qwen35_jax.serving.factory import overlap_budget
+        from qwen35_jax.serving.factory import compile_overlapped
 
-        engine.scheduler.overlap_budget = overlap_budget(engine.runner, args.bound)
+        engine.scheduler.overlap_budget = compile_overlapped(engine.runner, args.bound)
+    else:
+        engine.runner.compile_all()
     return engine
 
 
