@@ -79,6 +79,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
     error: str | None = None
+    # The request parameter that caused the error, when the request rather than the engine is at fault (a
+    # response_format grammar that dead-ends): the server then answers a 400 naming it, not a 500.
+    error_param: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     # With GenerationParams.prompt_logprobs, on the request's first output: one entry per prompt token from the
@@ -313,7 +316,7 @@ class Engine:
             return True
         message = f"the response_format grammar failed at output token {len(gen.output_ids)}: {gen.grammar.error}"
         log.error("%s: %s", request_id, message)
-        self._finish(request_id, "error", emit=True, error=message)
+        self._finish(request_id, "error", emit=True, error=message, error_param="response_format")
         return False
 
     def _is_stop_token(self, gen: Generation, token: int) -> bool:
@@ -351,7 +354,8 @@ class Engine:
         except Exception:  # a consumer's failure must not stop the engine
             log.exception("on_output for %s failed", gen.request.request_id)
 
-    def _finish(self, request_id: str, reason: str, emit: bool, error: str | None = None) -> None:
+    def _finish(self, request_id: str, reason: str, emit: bool, error: str | None = None,
+                error_param: str | None = None) -> None:  # fmt: skip
         gen = self.generations.pop(request_id, None)
         if gen is None:
             return
@@ -360,7 +364,8 @@ class Engine:
         else:
             self.scheduler.finish(request_id, reason)
         if emit:
-            self._emit(gen, RequestOutput(request_id, [], "", None, finish_reason=reason, error=error))
+            self._emit(gen, RequestOutput(request_id, [], "", None, finish_reason=reason, error=error,
+                                          error_param=error_param))  # fmt: skip
 
     # ---- running ---------------------------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -21,6 +21,8 @@ FIRST_CHAT_CHOICE = {"index": 0, "delta": {"role": "assistant", "content": ""}, 
 
 def finish_error(output: RequestOutput) -> APIError | None:
     """The error to answer for an output that ends the request without a result, else None."""
+    if output.finish_reason == "error" and output.error_param is not None:
+        return APIError(400, output.error, output.error_param, "invalid_request_error")
     if output.finish_reason == "error":
         return APIError(500, output.error or "the engine failed this request", None, "engine_error")
     if output.finish_reason == "abort":

@@ -276,7 +276,19 @@ def test_a_failing_grammar_fails_only_its_request(engine, tiny_model, monkeypatc
     outputs = run(engine, {"json": (prompt, GenerationParams(8, grammar=grammar.json_object())),
                            "free": (prompt, GenerationParams(8, ignore_eos=True))})  # fmt: skip
     assert outputs.finish("json") == "error" and "response_format" in outputs.by_id["json"][-1].error
+    assert outputs.by_id["json"][-1].error_param == "response_format"  # the request's fault: a 400 below
     assert outputs.finish("free") == "length" and len(outputs.tokens("free")) == 8
+
+
+def test_a_grammar_failure_answers_a_400_naming_response_format_and_an_engine_failure_a_500():
+    from qwen35_jax.serving.engine import RequestOutput
+    from qwen35_jax.serving.responses import finish_error
+
+    grammar = finish_error(RequestOutput("r", [], "", None, finish_reason="error", error="dead end",
+                                         error_param="response_format"))  # fmt: skip
+    assert (grammar.status, grammar.param, grammar.message) == (400, "response_format", "dead end")
+    engine = finish_error(RequestOutput("r", [], "", None, finish_reason="error", error="step failed"))
+    assert (engine.status, engine.param) == (500, None)
 
 
 # ---- the API ---------------------------------------------------------------------------------------------
