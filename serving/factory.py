@@ -34,8 +34,8 @@ class EngineConfig:
     scheduler_policy: str = "off"
     decode_overlap: str = "off"
     # Under stream overlap, a step that carries a prompt chunk beside decode rows costs at most this many times
-    # the decode-only step (measured per bucket at start). 3.0 keeps a 16-decoder 4B step carrying a 256-token
-    # chunk within it on the H200, which halves the mixed-load ITL p99 of `off` (docs/overlap.md).
+    # the decode-only step (measured per bucket at start). At 3.0 a 4B server on the H200 takes 128-token chunks
+    # beside its decoders, which cuts the mixed-load ITL p99 of `off` by more than half (docs/overlap.md).
     overlap_step_bound: float = 3.0
     num_top_logprobs: int = 20
     # The largest chunk of a prompt-logprobs step (echo with logprobs, prompt_logprobs), whose programs make the
