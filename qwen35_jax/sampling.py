@@ -70,10 +70,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
 
 def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Probabilities after temperature, top_k, top_p and min_p (in that order), renormalised."""

@@ -129,6 +129,12 @@ class SamplingRow:
     repetition_penalty: float = 1.0
     token_mask: np.ndarray | None = None  # [ceil(vocab / 32)] int32: the tokens a grammar allows (None: all)
 
+    @property
+    def needs_sampler(self) -> bool:
+        """The step's greedy pick is not this row's token: it samples, or something moves its argmax."""
+        return bool(self.temperature > 0 or self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1 or self.token_mask is not None)  # fmt: skip
+
 
 class Engine:
     """The loop over one runner and one scheduler: schedule, launch, then process the previous step's tokens."""

@@ -471,8 +471,7 @@ class Runner:
                 self._param_leaves, self.cache, self.token_state, inputs
             )
         self._mark_prompts(plan, sampling[len(plan.decode) :])
-        if any(row.temperature > 0 or row.logit_bias or row.presence_penalty or row.frequency_penalty
-               or row.repetition_penalty != 1 or row.token_mask is not None for row in sampling):  # fmt: skip
+        if any(row.needs_sampler for row in sampling):
             tokens, chosen = self._sample(plan, key, inputs, sampling, logits, tokens)
         top_ids = top_lp = None
         if any(row.logprobs for row in sampling):
