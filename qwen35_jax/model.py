@@ -239,16 +239,16 @@ class GatedDeltaNet(nnx.Module):
         slots, stream = ctx.inputs.decode.slots, ctx.stream(DECODE_STREAM)
         if stream is None:
             out, ssm_pool, conv_pool = mix(mixed, weight, g, beta, pools.ssm, pools.conv, layer, slots)
-            return out, dataclasses.replace(pools, ssm=ssm_pool, conv=conv_pool)
-        # A region's outputs are new buffers: a whole pool passed through one is copied, every layer. So the
-        # region gets the rows' states alone, as a pool of one layer, and they are scattered back outside it.
-        rows = jnp.arange(slots.shape[0], dtype=jnp.int32)
-        out, ssm_rows, conv_rows = on_stream(mix, stream)(
-            mixed, weight, g, beta, pools.ssm[layer, slots][None], pools.conv[layer, slots][None],
-            jnp.zeros((), jnp.int32), rows,
-        )  # fmt: skip
-        ssm_pool = pools.ssm.at[layer, slots].set(ssm_rows[0])
-        conv_pool = pools.conv.at[layer, slots].set(conv_rows[0])
+        else:
+            # A region's outputs are new buffers: a whole pool passed through one is copied, every layer. So the
+            # region gets the rows' states alone, as a pool of one layer, and they are scattered back outside it.
+            rows = jnp.arange(slots.shape[0], dtype=jnp.int32)
+            out, ssm_rows, conv_rows = on_stream(mix, stream)(
+                mixed, weight, g, beta, pools.ssm[layer, slots][None], pools.conv[layer, slots][None],
+                jnp.zeros((), jnp.int32), rows,
+            )  # fmt: skip
+            ssm_pool = pools.ssm.at[layer, slots].set(ssm_rows[0])
+            conv_pool = pools.conv.at[layer, slots].set(conv_rows[0])
         return out, dataclasses.replace(pools, ssm=ssm_pool, conv=conv_pool)
 
     def _prefill(self, ctx, mixed, g, beta, state: GdnState):
