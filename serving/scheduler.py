@@ -303,9 +303,13 @@ class Scheduler:
         # Only the FIFO front's remainder, so a decode step is never inflated by packing later prompts.
         return min(front.remaining_prompt, cap)
 
+    def _prompts_to_feed(self):
+        """The running requests with prompt left to feed in ordinary steps, in FCFS order (those whose logprobs
+        are returned have steps of their own)."""
+        return (r for r in self.running.values() if r.remaining_prompt > 0 and not r.prompt_logprobs)
+
     def _prefill_front(self) -> Request | None:
-        """The first prompt still to feed in ordinary steps (those whose logprobs are returned have their own)."""
-        return next((r for r in self.running.values() if r.remaining_prompt > 0 and not r.prompt_logprobs), None)
+        return next(self._prompts_to_feed(), None)
 
     def _launch_decode(self, request: Request) -> DecodeRow:
         # The fed token is the last one sampled; the tokens before it are all in the KV cache.
@@ -316,12 +320,11 @@ class Scheduler:
 
     def _launch_chunks(self, budget: int) -> list[PrefillChunk]:
         chunks = []
-        for request in self.running.values():
+        for request in self._prompts_to_feed():
             if budget == 0 or len(chunks) == self.config.max_prefill_chunks:
                 break
-            if request.remaining_prompt > 0 and not request.prompt_logprobs:
-                chunks.append(self._launch_chunk(request, min(request.remaining_prompt, budget)))
-                budget -= len(chunks[-1].token_ids)
+            chunks.append(self._launch_chunk(request, min(request.remaining_prompt, budget)))
+            budget -= len(chunks[-1].token_ids)
         return chunks
 
     def _launch_chunk(self, request: Request, length: int) -> PrefillChunk:
