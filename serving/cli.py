@@ -61,6 +61,12 @@ def _serve_parser(subparsers) -> None:
                    help="off|stream: stream runs prefill mixers beside decode mixers on separate GPU streams")  # fmt: skip
     p.add_argument("--overlap-step-bound", type=float, default=defaults.overlap_step_bound,
                    help="stream: a step carrying a prompt chunk costs at most this times the decode-only step")  # fmt: skip
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="every request's tokens and logprobs independent of what shares its batch: decode always runs"
+        " the --max-batch program, and prompt chunks run in steps of their own (slower; README)",
+    )
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests beyond --max-batch running; more get HTTP 429")  # fmt: skip
     p.add_argument("--default-chat-max-tokens", type=int, default=4096,
@@ -93,7 +99,7 @@ def engine_config(args, max_position_embeddings: int):
             gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
             scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap,
             overlap_step_bound=args.overlap_step_bound, compile_cache=cache,
-            prompt_logprobs_chunk=args.prompt_logprobs_chunk,
+            prompt_logprobs_chunk=args.prompt_logprobs_chunk, deterministic=args.deterministic,
         )  # fmt: skip
     except ValueError as err:
         raise FlagError(str(err)) from None

@@ -42,6 +42,10 @@ class EngineConfig:
     # logits of every chunk position ([T, vocab] fp32 scratch: 254 MB at T = 256 and the 4B vocabulary); 0 builds
     # none, and such requests get a 400.
     prompt_logprobs_chunk: int = 0
+    # Every request's tokens and logprobs independent of what shares its steps (`Buckets.for_limits`,
+    # `SchedulerConfig.batch_invariant`): decode always runs the `max_batch` program, and prompt chunks run in
+    # steps of their own.
+    deterministic: bool = False
     compile_cache: str | None = str(DEFAULT_COMPILE_CACHE)
 
     def __post_init__(self):
@@ -62,6 +66,11 @@ class EngineConfig:
              and 0 <= self.prompt_logprobs_chunk <= self.max_prefill_tokens,
              f"--prompt-logprobs-chunk must be an integer in [0, --max-prefill-tokens = {self.max_prefill_tokens}], "
              f"got {self.prompt_logprobs_chunk!r}"),
+            (not (self.deterministic and self.decode_overlap == "stream"),
+             "--deterministic cannot be combined with --decode-overlap stream: deterministic steps never run a prompt "
+             "chunk beside decode rows, so there is nothing to overlap"),
+            (not self.deterministic or self.max_prefill_chunks == 1,
+             f"deterministic steps carry one prompt chunk, got max_prefill_chunks {self.max_prefill_chunks}"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -120,7 +129,7 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         spec.num_slots, spec.num_slots * bytes_per_slot(model.config, model.dtype) / 2**30,
     )  # fmt: skip
     buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks,
-                                 config.prompt_logprobs_chunk)  # fmt: skip
+                                 config.prompt_logprobs_chunk, batch_invariant=config.deterministic)  # fmt: skip
     runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
                     config.num_top_logprobs, decode_overlap=config.decode_overlap)  # fmt: skip
     scheduler = Scheduler(SchedulerConfig(
@@ -128,6 +137,7 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         num_pages=spec.num_pages, num_slots=spec.num_slots, max_model_len=config.max_model_len,
         policy=config.scheduler_policy, decode_overlap=config.decode_overlap,
         max_prefill_chunks=config.max_prefill_chunks, prompt_logprobs_chunk=config.prompt_logprobs_chunk,
+        batch_invariant=config.deterministic,
     ))  # fmt: skip
     if compile_now:
         start = time.perf_counter()

@@ -81,21 +81,29 @@ class Buckets:
     prefill_rows: tuple[int, ...]  # prefill chunks per step
     chunk: tuple[int, ...]  # tokens per prefill chunk
     prompt_logprobs_chunk: tuple[int, ...] = ()  # tokens per chunk of a prompt-logprobs step (none: no such step)
+    # False: no step carries both sides, so there are no unified programs (`--deterministic`).
+    unified: bool = True
 
     @classmethod
     def for_limits(cls, max_batch: int, max_prefill_tokens: int, max_prefill_chunks: int,
-                   prompt_logprobs_chunk: int = 0) -> Buckets:  # fmt: skip
+                   prompt_logprobs_chunk: int = 0, batch_invariant: bool = False) -> Buckets:  # fmt: skip
+        """batch_invariant: every decode step runs the `max_batch` program, whatever its row count, and no step
+        packs decode rows beside a chunk. A product's rounding depends on its row count, never on the other
+        rows' values or on where a row sits, so a request's tokens then do not depend on what shares its step."""
         scored = power_of_two_buckets(prompt_logprobs_chunk, smallest=min(16, prompt_logprobs_chunk))
         return cls(
-            decode=power_of_two_buckets(max_batch),
+            decode=(max_batch,) if batch_invariant else power_of_two_buckets(max_batch),
             prefill_rows=power_of_two_buckets(max_prefill_chunks),
             chunk=power_of_two_buckets(max_prefill_tokens, smallest=min(16, max_prefill_tokens)),
             prompt_logprobs_chunk=scored if prompt_logprobs_chunk else (),
+            unified=not batch_invariant,
         )
 
     @property
     def unified_chunk(self) -> tuple[int, ...]:
         """Chunk buckets of the unified programs: those from UNIFIED_MIN_CHUNK (or the largest, if smaller)."""
+        if not self.unified:
+            return ()
         return tuple(t for t in self.chunk if t >= min(UNIFIED_MIN_CHUNK, self.chunk[-1]))
 
     def row_programs(self) -> list[tuple[str, int]]:
@@ -123,6 +131,10 @@ class Buckets:
         if not plan.prefill:
             return b, 0, 0
         longest = max(len(c.token_ids) for c in plan.prefill)
+        if b and not self.unified:
+            raise ValueError(
+                f"step {plan.step_id} packs decode rows beside a prompt chunk, which these buckets never do"
+            )
         chunks = self.unified_chunk if b else self.chunk
         return b, bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, chunks)
 

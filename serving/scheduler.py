@@ -110,6 +110,10 @@ class SchedulerConfig:
     # Most prompt tokens of one prompt-logprobs step (`StepPlan.prompt_logprobs`); 0: requests for prompt logprobs
     # are rejected.
     prompt_logprobs_chunk: int = 0
+    # `--deterministic`: a step carries decode rows or one prompt chunk, never both, and every prompt is cut into
+    # chunks of `max_prefill_tokens` from its start, so that the programs a request's tokens pass through, and
+    # their shapes, do not depend on what else is running (the runner's half: one decode bucket).
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("max_batch", "max_prefill_tokens", "page_size", "max_model_len", "max_prefill_chunks"):
@@ -123,6 +127,10 @@ class SchedulerConfig:
                              f"({self.max_prefill_tokens})")  # fmt: skip
         _require_choice(self, "policy", POLICIES)
         _require_choice(self, "decode_overlap", DECODE_OVERLAPS)
+        if self.batch_invariant and (self.max_prefill_chunks != 1 or self.decode_overlap != "off"):
+            raise ValueError("batch_invariant steps carry one prompt chunk and no decode rows beside it: it needs "
+                             f"max_prefill_chunks 1 and decode_overlap 'off', got {self.max_prefill_chunks} and "
+                             f"{self.decode_overlap!r}")  # fmt: skip
         if self.num_slots - 1 < self.max_batch:
             raise ValueError(
                 f"num_slots ({self.num_slots}) must be at least max_batch + 1 ({self.max_batch + 1}): "
@@ -243,12 +251,25 @@ class Scheduler:
         # Decoders are picked before any chunk launches: a prompt finished in this step has its first
         # token sampled by this step, so it can only be fed in the next one.
         budget = self._prefill_budget(decoders)
+        if self.config.batch_invariant and decoders and budget:
+            decoders, budget = self._one_side(decoders, budget)
         decode = tuple(self._launch_decode(request) for request in decoders)
         prefill = tuple(self._launch_chunks(budget))
         action = step_action(decode, prefill)
         if self.config.decode_overlap == "stream":
             action = overlap_action(action, self._last_action)
         return StepPlan(self._next_step_id, decode, prefill, action, budget)
+
+    def _one_side(self, decoders: list[Request], budget: int) -> tuple[list[Request], int]:
+        """Under `batch_invariant`, a step that could carry both sides carries one: a prompt chunk after a decode
+        step, decode rows after a prefill step, so that decoders and prompts take turns. The chunk keeps the
+        whole budget, which under both policies is the front's remainder or `max_prefill_tokens`, whichever is
+        less: the chunk boundaries are the same as when the prompt runs alone."""
+        if self._prefill_front() is None:
+            return decoders, budget
+        if self._last_action == PREFILL:
+            return decoders, 0
+        return [], budget
 
     def _prompt_logprobs_plan(self, request: Request) -> StepPlan:
         chunk = self._launch_chunk(request, min(request.remaining_prompt, self.config.prompt_logprobs_chunk))

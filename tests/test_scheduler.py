@@ -469,6 +469,29 @@ def test_policy_off_ignores_the_finishing_window():
     assert inside.budget == 16 and inside.action == "unified"
 
 
+# ---- batch-invariant steps (--deterministic) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["off", "auto"])
+def test_batch_invariant_steps_take_turns_and_cut_prompts_where_they_would_alone(policy):
+    """A 40-token prompt arrives beside a decoder: its chunks (16, 16, 8 from its start) run in steps of their own,
+    taking turns with decode steps, and no step packs both sides."""
+    scheduler = scheduler_with(make_request("d", 3, 50), max_prefill_tokens=16, policy=policy, batch_invariant=True)
+    assert scheduler.schedule().action == "prefill"
+    scheduler.add(make_request("p", 40, 4))
+    plans = [scheduler.schedule() for _ in range(7)]
+    assert [p.action for p in plans] == ["decode", "prefill", "decode", "prefill", "decode", "prefill", "decode"]
+    assert [(c.start, len(c.token_ids)) for p in plans for c in p.prefill] == [(0, 16), (16, 16), (32, 8)]
+    assert [p.num_decode_rows for p in plans if p.decode] == [1, 1, 1, 2]  # "p" decodes once its prompt is in
+
+
+def test_batch_invariant_steps_refuse_what_would_pack_two_sides():
+    with pytest.raises(ValueError, match="max_prefill_chunks 1 and decode_overlap 'off'"):
+        make_config(batch_invariant=True, max_prefill_chunks=2)
+    with pytest.raises(ValueError, match="max_prefill_chunks 1 and decode_overlap 'off'"):
+        make_config(batch_invariant=True, decode_overlap="stream")
+
+
 # ---- abort and finish -----------------------------------------------------------------------------
 
 
@@ -534,6 +557,7 @@ class EngineModel:
         self.seen: collections.Counter[str] = collections.Counter()
         self.next_id = 0
         self.last_scored = False
+        self.last_prefill_turn = False  # the last batch-invariant step carried a chunk
 
     def arrive(self, prompt_len: int, max_tokens: int, prompt_logprobs: bool = False) -> None:
         request = make_request(f"r{self.next_id}", prompt_len, max_tokens)
@@ -625,9 +649,22 @@ class EngineModel:
             assert not plan.decode and len(chunk.token_ids) <= config.prompt_logprobs_chunk
             self.seen["prompt logprobs"] += 1
         assert all(self.alive[c.request_id].prompt_logprobs == plan.prompt_logprobs for c in plan.prefill)
-        if plan.budget == 0 and any(r.remaining_prompt for r in self.scheduler.running.values()):
+        if config.batch_invariant:
+            self.check_batch_invariant(plan)
+        elif plan.budget == 0 and any(r.remaining_prompt for r in self.scheduler.running.values()):
             assert config.policy == "auto" and config.decode_overlap == "off"
             self.seen["prefill deferred"] += 1
+
+    def check_batch_invariant(self, plan: StepPlan) -> None:
+        """One side per step, and each chunk cut where the prompt alone would cut it: at multiples of its step
+        kind's chunk length from the prompt's start."""
+        assert not (plan.decode and plan.prefill), "a batch-invariant step carries both sides"
+        for chunk in plan.prefill:
+            length = self.config.prompt_logprobs_chunk if plan.prompt_logprobs else self.config.max_prefill_tokens
+            assert chunk.start % length == 0
+            assert len(chunk.token_ids) == min(length, self.alive[chunk.request_id].num_prompt_tokens - chunk.start)
+        self.seen["batch-invariant turn"] += bool(plan.decode and self.last_prefill_turn)
+        self.last_prefill_turn = bool(plan.prefill)
 
     def check_decode_row(self, row: DecodeRow) -> None:
         request = self.alive[row.request_id]
@@ -674,6 +711,7 @@ def arrival_number(request: Request) -> int:
 def random_config(pick: Callable[[int, int], int]) -> SchedulerConfig:
     """A small config; `pick(lo, hi)` draws an integer in [lo, hi] (from hypothesis or a seeded rng)."""
     max_batch, page_size, max_prefill_tokens = pick(1, 4), pick(1, 8), pick(1, 24)
+    batch_invariant = pick(0, 3) == 0
     return SchedulerConfig(
         max_batch=max_batch,
         max_prefill_tokens=max_prefill_tokens,
@@ -684,10 +722,11 @@ def random_config(pick: Callable[[int, int], int]) -> SchedulerConfig:
         num_slots=max_batch + pick(1, 3),
         max_model_len=pick(16, 64),
         policy=("off", "auto")[pick(0, 1)],
-        decode_overlap=("off", "stream")[pick(0, 1)],
-        max_prefill_chunks=pick(1, 3),
+        decode_overlap="off" if batch_invariant else ("off", "stream")[pick(0, 1)],
+        max_prefill_chunks=1 if batch_invariant else pick(1, 3),
         finishing_window=pick(0, 5),
         prompt_logprobs_chunk=pick(0, max_prefill_tokens),
+        batch_invariant=batch_invariant,
     )
 
 
@@ -728,6 +767,6 @@ def test_long_seeded_traffic_meets_every_situation():
     situations = [
         "prefill", "decode", "unified", "idle", "partial chunk", "last chunk", "prefill deferred",
         "rejected", "waiting behind running", "stop", "length", "abort waiting", "abort prefilling",
-        "abort decoding", "abort decoding done sampling", "prompt logprobs", "prompt only",
+        "abort decoding", "abort decoding done sampling", "prompt logprobs", "prompt only", "batch-invariant turn",
     ]  # fmt: skip
     assert {name: seen[name] for name in situations if seen[name] == 0} == {}

@@ -547,6 +547,7 @@ def no_weight_loads(monkeypatch):
         (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction"),
         (["--decode-overlap", "green"], "--decode-overlap"),
         (["--overlap-step-bound", "0.5"], "--overlap-step-bound"),
+        (["--deterministic", "--decode-overlap", "stream"], "--deterministic cannot be combined with --decode-overlap"),
         (["--scheduler-policy", "fast"], "--scheduler-policy"),
         (["--kernels", "pallas"], "--kernels"),
         (["--num-pages", "1"], "--num-pages"),
