@@ -10,9 +10,11 @@ Layouts:
     g           [B, nv]       fp32;  beta [B, nv] model dtype
     pool        [L, S, nv, dk, dv] fp32: every GDN layer's recurrent state of every slot
     layer       int32 scalar (may be traced): which layer of the pool this call updates
-    slots       [B] int32, 0 <= slots[b] < S: row b's state is pool[layer, slots[b]]
+    slots       [B] int32, 0 <= slots[b] < S: row b's state is pool[layer, slots[b]]; the last slot (S - 1) is the
+                trash slot (`trash_slot`: another index, or None for none), and a row there is padding: its o is 0
+                and its state is neither read nor written
 Returns o [B, nv, dv] in v's dtype and the pool with rows (layer, slots[b]) replaced by the new states; every other
-row is left as it was (the kernel never touches it: bit-identical). `gdn_decode_ref` is the same step on gathered
+row, the trash slot's included, is left as it was (the kernel never touches it: bit-identical). `gdn_decode_ref` is the same step on gathered
 states [B, nv, dk, dv] (the pool reference and the prefill tests' token-by-token oracle).
 
 Why in the pool: reading and writing the step's rows where they live, the states cross HBM once a step (read +
@@ -30,11 +32,10 @@ the repeated l2norm, and gives B * nv * dv / block_dv programs: 64 at B = 1 on t
 kernel is memory bound: 2 * 4 * dk * dv bytes of state per head against ~7 dk dv FLOPs.
 In place is safe: each tile is read and written by one program only, and the stored S[d, e] depends on
 u[e], a reduction over the loaded column e, so every load of a column completes before any store to it.
-Slots must be distinct, except that padding rows may all point at one trash slot (the engine's last slot):
-rows sharing a slot race (their programs load and store the same tiles in no defined order, so the slot ends
-up with some mix of their updates, and a row may even read another's half-written state; the reference's
-scatter keeps one row's state), so the trash slot's content is garbage by contract: nobody may read it, nor
-the padding rows' outputs.
+Slots must be distinct, except that padding rows all point at the trash slot (the pool's last slot, as the
+engine lays its pools out). Those rows are skipped: a bucket padded from 1 row to 64 would otherwise read and
+write the one trash tile from 63 rows' programs at once, which on the H200 cost a 4B decode step 1.4 ms
+(docs/performance.md), and their results are never read.
 The pool can exceed 2^31 elements (4B, 256 slots: 24 x 257 x 32 x 128 x 128 fp32 = 3.4e9 elements, 12.9 GB),
 so element offsets into it must be 64-bit. The kernel indexes its pl.ANY pool ref with scalars (layer,
 slots[b], head) and slices, as the paged attention kernels index their page pools: the Triton lowering then
@@ -47,6 +48,7 @@ address arithmetic in the lowered Triton IR at 4B shapes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -110,13 +112,25 @@ def _tiling(q, v, block_dv: int):
     return (batch, num_value_heads, dv // block_dv), (key_spec, value_spec, head_spec)
 
 
-def gdn_decode_pool_ref(q, k, v, g, beta, pool, layer, slots):
-    """`gdn_decode_ref` on the rows pool[layer, slots[b]]; returns (o, pool with those rows replaced)."""
-    o, state = gdn_decode_ref(q, k, v, g, beta, pool[layer, slots])
-    return o, pool.at[layer, slots].set(state)
+def _trash(pool, trash_slot):
+    """The trash slot's index (its default: the pool's last slot), or -1 (no slot) for None."""
+    if trash_slot is None:
+        return -1
+    return pool.shape[1] - 1 if trash_slot == "last" else trash_slot
 
 
-def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, new_pool_ref):
+def gdn_decode_pool_ref(q, k, v, g, beta, pool, layer, slots, trash_slot="last"):
+    """`gdn_decode_ref` on the rows pool[layer, slots[b]]; returns (o, pool with those rows replaced). Rows at
+    `trash_slot` (by default the last; None: none) are padding: o 0, and the trash slot keeps its state."""
+    rows = pool[layer, slots]
+    o, state = gdn_decode_ref(q, k, v, g, beta, rows)
+    padding = slots == _trash(pool, trash_slot)
+    o = jnp.where(padding[:, None, None], jnp.zeros((), o.dtype), o)
+    return o, pool.at[layer, slots].set(jnp.where(padding[:, None, None, None], rows, state))
+
+
+def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, new_pool_ref, *,
+                        trash: int):  # fmt: skip
     """layer_ref [1], slots_ref [B] int32; q_ref, k_ref [dk]; v_ref, o_ref [block_dv]; g_ref, beta_ref []; pool_ref,
     new_pool_ref the whole [L, S, nv, dk, dv] pool (one buffer on the GPU, aliased)."""
     row, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -125,22 +139,31 @@ def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_r
     # lowering turns them into offsets index * stride, in int64 once the pool passes 2^32 bytes (module notes).
     # Reading the input ref and writing the output ref is right both compiled (one buffer, each tile read and
     # written by its own program only) and in interpret mode (the output starts as a copy of the input).
-    tile = (layer_ref[0], slots_ref[row], head, slice(None), pl.ds(block * block_dv, block_dv))
-    o, new_pool_ref[tile] = _step(q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref[tile])
-    o_ref[...] = o.astype(o_ref.dtype)
+    slot = slots_ref[row]
+    padding = slot == trash  # module notes
+
+    @pl.when(jnp.logical_not(padding))
+    def _():
+        tile = (layer_ref[0], slot, head, slice(None), pl.ds(block * block_dv, block_dv))
+        o, new_pool_ref[tile] = _step(q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref[tile])
+        o_ref[...] = o.astype(o_ref.dtype)
+
+    @pl.when(padding)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, *, interpret=False,
+def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, trash_slot="last", *, interpret=False,
                            tuning: GdnDecodeTuning = GDN_DECODE_TUNING):  # fmt: skip
     """Pallas version of `gdn_decode_pool_ref` (same arguments and result; module notes for the aliasing and
-    the trash-slot rule). Not jitted, and lax primitives only around the pallas_call, like the attention wrappers:
+    the trash slot). Not jitted, and lax primitives only around the pallas_call, like the attention wrappers:
     the model may call it inside stream-annotated regions, where a nested jit fails."""
     _, num_value_heads, dv = v.shape
     assert pool.dtype == jnp.float32 and pool.shape[2:] == (num_value_heads, q.shape[-1], dv), (pool.shape, pool.dtype)
     grid, (key_spec, value_spec, head_spec) = _tiling(q, v, tuning.block_dv)
     whole = pl.BlockSpec(memory_space=pl.ANY)  # no blocking: the kernel computes its pool tile from slots
     return pl.pallas_call(
-        _pool_decode_kernel,
+        functools.partial(_pool_decode_kernel, trash=_trash(pool, trash_slot)),
         grid=grid,
         in_specs=[whole, whole, key_spec, key_spec, value_spec, head_spec, head_spec, whole],
         out_specs=[value_spec, whole],

@@ -242,13 +242,17 @@ class GatedDeltaNet(nnx.Module):
         else:
             # A region's outputs are new buffers: a whole pool passed through one is copied, every layer. So the
             # region gets the rows' states alone, as a pool of one layer, and they are scattered back outside it.
+            # That pool ends with a copy of the trash slot, where the padding rows point, as they do in the pools.
+            trash = pools.ssm.shape[1] - 1
+            taken = jnp.concatenate([slots, jnp.full((1,), trash, slots.dtype)])
             rows = jnp.arange(slots.shape[0], dtype=jnp.int32)
+            rows = jnp.where(slots == trash, slots.shape[0], rows)
             out, ssm_rows, conv_rows = on_stream(mix, stream)(
-                mixed, weight, g, beta, pools.ssm[layer, slots][None], pools.conv[layer, slots][None],
+                mixed, weight, g, beta, pools.ssm[layer, taken][None], pools.conv[layer, taken][None],
                 jnp.zeros((), jnp.int32), rows,
             )  # fmt: skip
-            ssm_pool = pools.ssm.at[layer, slots].set(ssm_rows[0])
-            conv_pool = pools.conv.at[layer, slots].set(conv_rows[0])
+            ssm_pool = pools.ssm.at[layer, slots].set(ssm_rows[0, rows])
+            conv_pool = pools.conv.at[layer, slots].set(conv_rows[0, rows])
         return out, dataclasses.replace(pools, ssm=ssm_pool, conv=conv_pool)
 
     def _prefill(self, ctx, mixed, g, beta, state: GdnState):

@@ -180,13 +180,14 @@ def main() -> None:
 
 
 def rows_step(q, k, v, g, beta, state, *, tuning=None):
-    """The in-pool kernel on states [B, nv, dk, dv] as the one-layer pool state[None], row b in slot b."""
+    """The in-pool kernel on states [B, nv, dk, dv] as the one-layer pool state[None], row b in slot b (no trash slot)."""
     import jax.numpy as jnp
 
     from qwen35_jax.kernels.gdn_decode import GDN_DECODE_TUNING, gdn_decode_pool_pallas
 
     slots = jnp.arange(state.shape[0], dtype=jnp.int32)
-    out, pool = gdn_decode_pool_pallas(q, k, v, g, beta, state[None], 0, slots, tuning=tuning or GDN_DECODE_TUNING)
+    out, pool = gdn_decode_pool_pallas(q, k, v, g, beta, state[None], 0, slots, None,
+                                       tuning=tuning or GDN_DECODE_TUNING)  # fmt: skip
     return out, pool[0]
 
 
