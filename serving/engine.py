@@ -159,12 +159,17 @@ class Engine:
         without their programs (before anything is queued)."""
         self.scheduler.check_request(num_prompt_tokens, max_tokens, prompt_logprobs)
 
-    def submit(self, prompt_ids: list[int], params: GenerationParams, on_output, request_id: str | None = None) -> str:
+    def submit(self, prompt_ids: list[int], params: GenerationParams, on_output, request_id: str | None = None,
+               fork_of: str | None = None) -> str:  # fmt: skip
+        """Queues a request; returns its id. fork_of: the id of a request submitted before it with the same prompt
+        (another sample of it): this one then takes a copy of that one's prefilled prompt instead of prefilling
+        it again (`Request.fork_of`), where the scheduler can."""
         scored = params.prompt_logprobs is not None
         self.check(len(prompt_ids), params.max_tokens, scored)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id=request_id, prompt_ids=list(prompt_ids), max_tokens=params.max_tokens,
-                          prompt_logprobs=scored, waits_for_tokens=params.grammar is not None)  # fmt: skip
+                          prompt_logprobs=scored, waits_for_tokens=params.grammar is not None,
+                          fork_of=fork_of)  # fmt: skip
         grammar = None if params.grammar is None else params.grammar.start()
         gen = Generation(request, params, on_output, *self._text_tools(params), grammar=grammar)
         with self._wake:
@@ -256,7 +261,8 @@ class Engine:
             return None
 
     def _fail_step(self, plan: StepPlan, message: str) -> None:
-        ids = {r.request_id for r in itertools.chain(plan.decode, plan.prefill)}
+        # A request that takes a prefix copy from this step has counted the prefix as fed: it fails with the step.
+        ids = {r.request_id for r in itertools.chain(plan.decode, plan.prefill, plan.copies)}
         if self.runner.cache_lost():
             ids |= {rid for rid, gen in self.generations.items() if gen.request.slot is not None}
             self.runner.reset_cache()

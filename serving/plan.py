@@ -75,6 +75,19 @@ class PrefillChunk:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateCopy:
+    """After the step, copy a prompt prefix's caches from one request to another that has the same prompt (the
+    samples of one `n` > 1 request): the GDN recurrent and conv states of `src_slot` into `dst_slot`, and the KV
+    of pages `src_pages` into `dst_pages` (the pages that hold the prefix), so that the copy prefills none of it."""
+
+    request_id: str  # the request that receives the copy
+    src_slot: int
+    dst_slot: int
+    src_pages: tuple[int, ...]
+    dst_pages: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     """Everything the runner needs for one step. Decode rows and chunks are in admission order."""
 
@@ -92,6 +105,8 @@ class StepPlan:
     # A prompt-logprobs step: one chunk and no decode rows, whose program also returns the logprob of every next
     # prompt token (`PrefillChunk.targets`).
     prompt_logprobs: bool = False
+    # Prompt prefixes copied between requests once this step has run (`StateCopy`).
+    copies: tuple[StateCopy, ...] = ()
 
     def __post_init__(self):
         assert self.action in STEP_ACTIONS, self.action
@@ -149,6 +164,13 @@ class Request:
     waits_for_tokens: bool = False
     # Output tokens the host has read back (`Scheduler.token_read`); counted only when `waits_for_tokens`.
     num_read_tokens: int = 0
+    # Another sample of the same prompt (`n` > 1): the id of the request that prefills it for both. This one waits
+    # until that one's caches hold all but the prompt's last token, takes a copy of them (`StateCopy`), and feeds
+    # only that last token itself, which samples its own first token.
+    fork_of: str | None = None
+    # Set on the request that prefills for others: its chunk ends here (all but the last prompt token), and the
+    # step of that chunk copies its caches to every sample that waits for them. 0: no copy.
+    fork_point: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -158,6 +180,13 @@ class Request:
     def remaining_prompt(self) -> int:
         """Prompt tokens not yet fed into the caches."""
         return self.num_prompt_tokens - self.num_computed_tokens
+
+    @property
+    def feedable(self) -> int:
+        """Prompt tokens the next chunk may take: up to the fork point while it is ahead, else the rest."""
+        if self.num_computed_tokens < self.fork_point:
+            return self.fork_point - self.num_computed_tokens
+        return self.remaining_prompt
 
     @property
     def remaining_tokens(self) -> int:

@@ -107,10 +107,10 @@ class Buckets:
         return tuple(t for t in self.chunk if t >= min(UNIFIED_MIN_CHUNK, self.chunk[-1]))
 
     def row_programs(self) -> list[tuple[str, int]]:
-        """(kind, rows) of every row program: a sampler and a top-logprobs program per output row count B + P, and
-        the prompt-token marker over the most prompt tokens a step carries."""
+        """(kind, rows) of every row program: a sampler and a top-logprobs program per output row count B + P, the
+        prompt-token marker over the most prompt tokens a step carries, and the prompt-prefix copy."""
         rows = sorted({b + p for b, p, _ in self.keys()})
-        return [(kind, r) for kind in ROW_PROGRAMS for r in rows] + [(MARK_PROMPT, self.chunk[-1])]
+        return [(kind, r) for kind in ROW_PROGRAMS for r in rows] + [(MARK_PROMPT, self.chunk[-1]), (COPY_PREFIX, 1)]
 
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (B, P, T) program: decode-only, prefill-only and unified."""
@@ -141,6 +141,7 @@ class Buckets:
 
 ROW_PROGRAMS = ("sample", "top")  # one of each per output row count
 MARK_PROMPT = "mark_prompt"  # one program: its shapes are the step's largest prefill (tokens and chunks)
+COPY_PREFIX = "copy_prefix"  # one program: a prompt prefix's caches from one request to another (StateCopy)
 
 
 def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, streams: bool, param_leaves, *args):
@@ -202,6 +203,19 @@ def mark_prompt_tokens(prompt_mask, fresh_slots, token_slots, token_ids):
     `token_ids[i]` is set in row `token_slots[i]` (padding: token 0 of the trash slot)."""
     prompt_mask = prompt_mask.at[fresh_slots].set(False)
     return prompt_mask.at[token_slots, token_ids].set(True)
+
+
+def copy_prefix(cache, prompt_mask, src_slot, dst_slot, src_pages, dst_pages):
+    """`StateCopy`: slot dst_slot's GDN states and prompt tokens become src_slot's, and each page dst_pages[i] of
+    every attention layer gets page src_pages[i]'s K/V. The page lists are the page table's width, padded with the
+    trash page (copied onto itself: garbage to garbage)."""
+    return dataclasses.replace(
+        cache,
+        k_pages=cache.k_pages.at[:, dst_pages].set(cache.k_pages[:, src_pages]),
+        v_pages=cache.v_pages.at[:, dst_pages].set(cache.v_pages[:, src_pages]),
+        ssm=cache.ssm.at[:, dst_slot].set(cache.ssm[:, src_slot]),
+        conv=cache.conv.at[:, dst_slot].set(cache.conv[:, src_slot]),
+    ), prompt_mask.at[dst_slot].set(prompt_mask[src_slot])
 
 
 @dataclasses.dataclass
@@ -274,7 +288,8 @@ class Runner:
                                       donate_argnums=(1, 2))  # fmt: skip
         self._row_jitted = {"sample": jax.jit(sampler_step, donate_argnums=(2, 3)),
                             "top": jax.jit(partial(top_logprobs, num_top=num_top_logprobs)),
-                            MARK_PROMPT: jax.jit(mark_prompt_tokens, donate_argnums=0)}  # fmt: skip
+                            MARK_PROMPT: jax.jit(mark_prompt_tokens, donate_argnums=0),
+                            COPY_PREFIX: jax.jit(copy_prefix, donate_argnums=(0, 1))}  # fmt: skip
 
     @property
     def num_compiles(self) -> int:
@@ -345,6 +360,9 @@ class Runner:
         logits = f32((r, self.model_def.cfg.vocab_size))
         if kind == "top":
             return self._row_jitted["top"].lower(logits, i32((r,)))
+        if kind == COPY_PREFIX:
+            pages = i32((self.page_table_width,))
+            return self._row_jitted[COPY_PREFIX].lower(self.cache, self.prompt_mask, i32(()), i32(()), pages, pages)
         if kind == MARK_PROMPT:
             return self._row_jitted[MARK_PROMPT].lower(self.prompt_mask, i32((self.buckets.prefill_rows[-1],)),
                                                        i32((r,)), i32((r,)))  # fmt: skip
@@ -488,6 +506,7 @@ class Runner:
         top_ids = top_lp = None
         if any(row.logprobs for row in sampling):
             chosen, top_ids, top_lp = self.row_program("top", key[0] + key[1])(logits, tokens)
+        self._copy_prefixes(plan)
         outputs = (tokens, chosen, top_ids, top_lp)
         for output in (*outputs, *prompt_outputs):  # start the device-to-host copies now; the host reads them later
             if output is not None:
@@ -531,6 +550,16 @@ class Runner:
         marked = [(c.slot, token) for c in chunks for token in c.token_ids]
         token_slots[: len(marked)], token_ids[: len(marked)] = zip(*marked, strict=True)
         self.prompt_mask = self.row_program(MARK_PROMPT, size)(self.prompt_mask, fresh, token_slots, token_ids)
+
+    def _copy_prefixes(self, plan: StepPlan) -> None:
+        """Launches the plan's `StateCopy`s after its step and its row programs (the device runs launches in order,
+        so a copy reads what the step wrote, and the request it feeds reads the copy in a later step)."""
+        for copy in plan.copies:
+            pages = np.full((2, self.page_table_width), TRASH_PAGE, np.int32)
+            pages[0, : len(copy.src_pages)], pages[1, : len(copy.dst_pages)] = copy.src_pages, copy.dst_pages
+            self.cache, self.prompt_mask = self.row_program(COPY_PREFIX, 1)(
+                self.cache, self.prompt_mask, np.int32(copy.src_slot), np.int32(copy.dst_slot), pages[0], pages[1]
+            )
 
     def _token_masks(self, rows: list, num_rows: int):
         """[num_rows, mask_words] int32: each grammar row's packed mask, every token allowed in the others."""

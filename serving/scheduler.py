@@ -41,6 +41,7 @@ from .plan import (
     PrefillChunk,
     Request,
     RequestStatus,
+    StateCopy,
     StepPlan,
 )
 from .pools import PagePool, SlotPool, pages_needed
@@ -165,6 +166,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self._requests: dict[str, Request] = {}  # waiting and running, by id
         self._next_step_id = 0
+        self._copies: list[StateCopy] = []  # made by the chunks of the plan being built
 
     # ---- requests in and out -----------------------------------------------------------------------
 
@@ -196,8 +198,21 @@ class Scheduler:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
         request.arrival_step = self._next_step_id
+        self._join_fork(request)
         self.waiting.append(request)
         self._requests[request.request_id] = request
+
+    def _join_fork(self, request: Request) -> None:
+        """A request with `fork_of` takes a copy of that request's prompt prefix when it can: same prompt of 2 tokens
+        or more, neither one's prompt scored, that one not yet past the prefix, and steps not batch-invariant (whose
+        chunk boundaries must be a lone run's). Otherwise it prefills its prompt itself."""
+        leader = self._requests.get(request.fork_of) if request.fork_of is not None else None
+        prefix = request.num_prompt_tokens - 1
+        if (leader is None or leader.prompt_ids != request.prompt_ids or prefix < 1 or self.config.batch_invariant
+                or request.prompt_logprobs or leader.prompt_logprobs or leader.num_computed_tokens > prefix):  # fmt: skip
+            request.fork_of = None
+            return
+        leader.fork_point = prefix
 
     def finish(self, request_id: str, reason: str) -> bool:
         """Retire a request in any state, freeing its slot and pages now. False if the id is unknown."""
@@ -258,7 +273,8 @@ class Scheduler:
         action = step_action(decode, prefill)
         if self.config.decode_overlap == "stream":
             action = overlap_action(action, self._last_action)
-        return StepPlan(self._next_step_id, decode, prefill, action, budget)
+        copies, self._copies = tuple(self._copies), []
+        return StepPlan(self._next_step_id, decode, prefill, action, budget, copies=copies)
 
     def _one_side(self, decoders: list[Request], budget: int) -> tuple[list[Request], int]:
         """Under `batch_invariant`, a step that could carry both sides carries one: a prompt chunk after a decode
@@ -327,7 +343,15 @@ class Scheduler:
     def _prompts_to_feed(self):
         """The running requests with prompt left to feed in ordinary steps, in FCFS order (those whose logprobs
         are returned have steps of their own)."""
-        return (r for r in self.running.values() if r.remaining_prompt > 0 and not r.prompt_logprobs)
+        return (r for r in self.running.values()
+                if r.remaining_prompt > 0 and not r.prompt_logprobs and not self._waits_for_fork(r))  # fmt: skip
+
+    def _waits_for_fork(self, request: Request) -> bool:
+        """It will take a copy of its fork's prefix, which that request has not prefilled yet."""
+        leader = self._requests.get(request.fork_of) if request.fork_of is not None else None
+        return (
+            leader is not None and request.num_computed_tokens == 0 and leader.num_computed_tokens < leader.fork_point
+        )
 
     def _prefill_front(self) -> Request | None:
         return next(self._prompts_to_feed(), None)
@@ -341,10 +365,12 @@ class Scheduler:
 
     def _launch_chunks(self, budget: int) -> list[PrefillChunk]:
         chunks = []
-        for request in self._prompts_to_feed():
+        # Listed before any chunk launches: a request that takes a copy in this step feeds only in a later one,
+        # after the copy has run.
+        for request in list(self._prompts_to_feed()):
             if budget == 0 or len(chunks) == self.config.max_prefill_chunks:
                 break
-            chunks.append(self._launch_chunk(request, min(request.remaining_prompt, budget)))
+            chunks.append(self._launch_chunk(request, min(request.feedable, budget)))
             budget -= len(chunks[-1].token_ids)
         return chunks
 
@@ -356,11 +382,26 @@ class Scheduler:
         targets = tuple(request.prompt_ids[start + 1 : end + 1]) if request.prompt_logprobs else ()
         chunk = PrefillChunk(request.request_id, request.slot, start, token_ids, request.page_ids, is_last, targets)
         request.num_computed_tokens = end
+        if end == request.fork_point:
+            self._copies += self._fork(request)
         if is_last:
             # This step samples the first output token, unless the request only feeds its prompt (max_tokens 0).
             request.num_output_tokens += min(request.max_tokens, 1)
             request.status = RequestStatus.DECODING
         return chunk
+
+    def _fork(self, leader: Request) -> list[StateCopy]:
+        """The leader's chunk ends at its fork point: each running request waiting for that prefix gets a copy of
+        the caches, after this step, and counts the prefix as fed. Those admitted later prefill themselves."""
+        pages = -(-leader.fork_point // self.config.page_size)
+        copies = []
+        for request in self.running.values():
+            if request.fork_of == leader.request_id and request.num_computed_tokens == 0:
+                copies.append(StateCopy(request.request_id, leader.slot, request.slot, leader.page_ids[:pages],
+                                        request.page_ids[:pages]))  # fmt: skip
+                request.num_computed_tokens = leader.fork_point
+        leader.fork_point = 0
+        return copies
 
     # ---- introspection -----------------------------------------------------------------------------
 

@@ -70,13 +70,15 @@ class OpenAIServer:
                                 f"asked for (--max-batch + --max-queue = {capacity}); retry later", None,
                            "queue_full")  # fmt: skip
 
-    def submit(self, prepared: Prepared, http_request: HTTPRequest) -> Submission:
-        """Hands one choice to the engine; the submission counts as in progress until it is closed."""
+    def submit(self, prepared: Prepared, http_request: HTTPRequest, fork_of: str | None = None) -> Submission:
+        """Hands one choice to the engine; the submission counts as in progress until it is closed. fork_of: an
+        earlier choice with the same prompt, whose prefill this one shares."""
         submission = Submission(self.engine, prepared, self.metrics.timer(), self._release)
         self.num_active += 1
         self.metrics.requests_active.inc()
         try:
-            self.engine.submit(prepared.prompt_ids, prepared.params, submission.on_output, prepared.request_id)
+            self.engine.submit(prepared.prompt_ids, prepared.params, submission.on_output, prepared.request_id,
+                               fork_of=fork_of)  # fmt: skip
         except RequestRejected as err:
             submission.finished = True
             submission.close()
@@ -86,12 +88,15 @@ class OpenAIServer:
         return submission
 
     def submit_all(self, choices: list[Prepared], http_request: HTTPRequest) -> list[Submission]:
-        """Every choice of one answer, or none: a failed submit aborts the ones already in."""
+        """Every choice of one answer, or none: a failed submit aborts the ones already in. Choices with the same
+        prompt (the `n` samples, or repeated prompts of a batch) share the first one's prefill."""
         self.check_room(len(choices))
-        submissions = []
+        submissions, first_with = [], {}
         try:
             for prepared in choices:
-                submissions.append(self.submit(prepared, http_request))
+                leader = first_with.setdefault(tuple(prepared.prompt_ids), prepared.request_id)
+                fork_of = None if leader == prepared.request_id else leader
+                submissions.append(self.submit(prepared, http_request, fork_of))
         except BaseException:
             for submission in submissions:
                 submission.close()

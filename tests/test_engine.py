@@ -482,6 +482,27 @@ def test_seeded_sampling_repeats_alone_and_in_a_batch(engine):
     assert alone.token_ids != generate(engine, [(p, greedy(32))])[0].token_ids
 
 
+def test_samples_of_one_prompt_share_its_prefill(engine, monkeypatch):
+    """Three samples of one 90-token prompt (as `n` = 3 submits them): the first prefills 89 tokens, the others take a
+    copy of its caches and each feeds the last prompt token itself. Each sample equals the same request run
+    alone, which prefills the whole prompt: seeded draws the same tokens, greedy the same tokens, and logprobs
+    within LOGPROB_ATOL (the last token is a chunk of its own, another summation order)."""
+    p = prompt(90, seed=15)
+    params = [sampled(12, seed=40), sampled(12, seed=41), greedy(12)]
+    spy = StepSpy(engine.runner, monkeypatch)
+    collector = Collector()
+    first = engine.submit(p, params[0], collector)
+    ids = [first] + [engine.submit(p, q, collector, fork_of=first) for q in params[1:]]
+    engine.run_until_done()
+    shared = [collector.result(i, len(p)) for i in ids]
+    assert sum(spy.chunk_lengths()) == 89 + 3 and sum(len(plan.copies) for plan in spy.plans) == 2
+    for got, q in zip(shared, params, strict=True):
+        want = generate(engine, [(p, q)])[0]
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL
+
+
 # ---- finish reasons -----------------------------------------------------------------------------------
 
 FINISH_PROMPT = prompt(19, seed=21)
@@ -645,11 +666,13 @@ def spy_row_programs(runner, monkeypatch) -> list[tuple[str, int]]:
 
 def test_serving_compiles_nothing_new(engine, monkeypatch):
     """A workload that runs every bucket program (prefill-only, decode-only and unified, at every B and T), every
-    row program (sampled decoders and top logprobs at every output row count, the prompt-token marker) and every
+    row program (sampled decoders and top logprobs at every output row count, the prompt-token marker, the prefix
+    copy) and every
     prompt-logprobs program compiles nothing: no new runner program and no XLA compile or cache load at all."""
     runner = engine.runner
     assert set(runner.compile_seconds) == set(runner.buckets.keys()) and runner.num_compiles == 9
-    every_row_program = {(kind, r) for kind in ("sample", "top") for r in (1, 2, 3, 4, 5)} | {("mark_prompt", 64)}
+    every_row_program = {(kind, r) for kind in ("sample", "top") for r in (1, 2, 3, 4, 5)}
+    every_row_program |= {("mark_prompt", 64), ("copy_prefix", 1)}
     assert set(runner.row_compile_seconds) == set(runner.buckets.row_programs()) == every_row_program
     assert set(runner.prompt_compile_seconds) == {16, 32}
     before = runner.num_compiles
@@ -687,6 +710,10 @@ def test_serving_compiles_nothing_new(engine, monkeypatch):
         # A scored prompt in chunks of 32 and 8 (T = 32, 16), beside a prompt under a repetition penalty.
         engine.submit(prompt(40, seed=90), greedy(2, prompt_logprobs=1), collector)
         engine.submit(prompt(12, seed=91), greedy(2, sampling=SamplingParams(repetition_penalty=1.2)), collector)
+        engine.run_until_done()
+        # Two samples of one prompt: the second takes a copy of the first's prefix.
+        first = engine.submit(prompt(30, seed=92), greedy(2), collector)
+        engine.submit(prompt(30, seed=92), greedy(2), collector, fork_of=first)
         engine.run_until_done()
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwen35_jax.serving.plan import DecodeRow, PrefillChunk, Request, RequestStatus, StepPlan
+from qwen35_jax.serving.plan import DecodeRow, PrefillChunk, Request, RequestStatus, StateCopy, StepPlan
 from qwen35_jax.serving.pools import TRASH_PAGE, PagePool, SlotPool, pages_needed
 from qwen35_jax.serving.scheduler import OverlapBudget, RequestRejected, Scheduler, SchedulerConfig, trace
 
@@ -469,6 +469,52 @@ def test_policy_off_ignores_the_finishing_window():
     assert inside.budget == 16 and inside.action == "unified"
 
 
+# ---- samples of one prompt (n > 1) share its prefill --------------------------------------------------------
+
+
+def samples_of(prompt_len: int, *ids: str, max_tokens: int = 4) -> list[Request]:
+    requests = [make_request(request_id, prompt_len, max_tokens) for request_id in ids]
+    for request in requests[1:]:
+        request.fork_of = requests[0].request_id
+    return requests
+
+
+def test_samples_take_a_copy_of_the_first_ones_prefix_and_feed_the_last_token_themselves():
+    scheduler = scheduler_with(*samples_of(20, "a", "b", "c"), max_prefill_tokens=16)
+    plans = [scheduler.schedule() for _ in range(4)]
+    chunks = [(c.request_id, c.start, c.end) for p in plans for c in p.prefill]
+    assert chunks == [("a", 0, 16), ("a", 16, 19), ("a", 19, 20), ("b", 19, 20)]
+    a, b, c = (scheduler.running[i] for i in "abc")
+    # pages of 4 tokens: the 19-token prefix is in the first 5
+    assert plans[1].copies == (StateCopy("b", a.slot, b.slot, a.page_ids[:5], b.page_ids[:5]),
+                               StateCopy("c", a.slot, c.slot, a.page_ids[:5], c.page_ids[:5]))  # fmt: skip
+    assert [p.copies for p in plans[2:]] == [(), ()] and c.num_computed_tokens == 19
+    assert scheduler.schedule().prefill[0].request_id == "c"
+
+
+def test_a_sample_prefills_itself_when_it_cannot_take_a_copy():
+    # The first sample is aborted before its prefix is in: the others prefill from the start.
+    scheduler = scheduler_with(*samples_of(20, "a", "b"), max_prefill_tokens=16)
+    scheduler.schedule()
+    scheduler.abort("a")
+    assert [(c.request_id, c.start, c.end) for c in scheduler.schedule().prefill] == [("b", 0, 16)]
+    # Admitted after the copy was made (max_batch 1: "b" waits for "a"'s slot): it prefills itself.
+    scheduler = scheduler_with(*samples_of(6, "a", "b", max_tokens=1), max_batch=1, num_slots=2)
+    plans = [scheduler.schedule() for _ in range(2)]
+    assert [p.copies for p in plans] == [(), ()] and plans[1].prefill[0].end == 6
+    scheduler.finish("a", "length")
+    assert [(c.request_id, c.start, c.end) for c in scheduler.schedule().prefill] == [("b", 0, 6)]
+    # Another prompt, a one-token prompt, or batch-invariant steps: no copy.
+    for requests, overrides in [
+        ([make_request("a", 5, 2), make_request("b", 6, 2)], {}),
+        (samples_of(1, "a", "b"), {}),
+        (samples_of(5, "a", "b"), {"batch_invariant": True}),
+    ]:
+        requests[1].fork_of = "a"
+        scheduler = scheduler_with(*requests, max_prefill_tokens=16, **overrides)
+        assert requests[1].fork_of is None and not any(scheduler.schedule().copies for _ in range(4))
+
+
 # ---- batch-invariant steps (--deterministic) ------------------------------------------------------------
 
 
@@ -562,6 +608,8 @@ class EngineModel:
     def arrive(self, prompt_len: int, max_tokens: int, prompt_logprobs: bool = False) -> None:
         request = make_request(f"r{self.next_id}", prompt_len, max_tokens)
         request.prompt_logprobs = prompt_logprobs
+        # Another sample of the latest live request with this prompt (make_request's prompts depend on length only).
+        request.fork_of = next((i for i, r in reversed(self.alive.items()) if r.num_prompt_tokens == prompt_len), None)
         self.next_id += 1
         total = prompt_len + max_tokens
         never_fits = total > self.config.max_model_len or pages_needed(total, self.config.page_size) > (
@@ -603,6 +651,7 @@ class EngineModel:
                               for r in self.scheduler.running.values())  # fmt: skip
             plan = self.scheduler.schedule()
             self.check_plan(plan)
+            self.check_copies(plan)
             # Prompt-logprobs steps run back to back only while nothing else has work.
             assert not (plan.prompt_logprobs and self.last_scored and others_wait)
             self.last_scored = plan.prompt_logprobs
@@ -665,6 +714,22 @@ class EngineModel:
             assert len(chunk.token_ids) == min(length, self.alive[chunk.request_id].num_prompt_tokens - chunk.start)
         self.seen["batch-invariant turn"] += bool(plan.decode and self.last_prefill_turn)
         self.last_prefill_turn = bool(plan.prefill)
+
+    def check_copies(self, plan: StepPlan) -> None:
+        """A copy goes from the request whose chunk ends at the prefix in this plan to a sample of the same prompt
+        that has fed nothing; the sample counts the prefix (all but the last prompt token) as fed."""
+        for copy in plan.copies:
+            request = self.alive[copy.request_id]
+            leader = self.alive[request.fork_of]
+            prefix = request.num_prompt_tokens - 1
+            assert self.fed[copy.request_id] == 0 and any(c.request_id == leader.request_id and c.end == prefix
+                                                          for c in plan.prefill)  # fmt: skip
+            assert (copy.src_slot, copy.dst_slot) == (leader.slot, request.slot)
+            pages = pages_needed(prefix, self.config.page_size)
+            assert (copy.src_pages, copy.dst_pages) == (leader.page_ids[:pages], request.page_ids[:pages])
+            assert not self.config.batch_invariant and not request.prompt_logprobs
+            self.fed[copy.request_id] = prefix
+            self.seen["prefix copied"] += 1
 
     def check_decode_row(self, row: DecodeRow) -> None:
         request = self.alive[row.request_id]
@@ -767,6 +832,6 @@ def test_long_seeded_traffic_meets_every_situation():
     situations = [
         "prefill", "decode", "unified", "idle", "partial chunk", "last chunk", "prefill deferred",
         "rejected", "waiting behind running", "stop", "length", "abort waiting", "abort prefilling",
-        "abort decoding", "abort decoding done sampling", "prompt logprobs", "prompt only", "batch-invariant turn",
+        "abort decoding", "abort decoding done sampling", "prompt logprobs", "prompt only", "batch-invariant turn", "prefix copied",
     ]  # fmt: skip
     assert {name: seen[name] for name in situations if seen[name] == 0} == {}

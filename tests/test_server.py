@@ -330,12 +330,20 @@ def test_a_batch_of_prompts_gets_one_choice_each(idle_server):
         assert batch.usage.completion_tokens == 15
 
 
-def test_n_seeded_samples_are_the_seeds_seed_plus_index(idle_server):
+def test_n_seeded_samples_are_the_seeds_seed_plus_index(idle_server, monkeypatch):
     """Choice i of a seeded n-sample request is the n=1 request with seed + i: the host-side reference of what
-    each choice must be. The prompt's tokens count once in the usage."""
+    each choice must be. The prompt's tokens count once in the usage, and it is prefilled once: the other two
+    choices take a copy of the first one's caches and feed only the last prompt token."""
     client = idle_server.client()
     fields = dict(prompt=PROMPT_IDS, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    plans, launch = [], idle_server.engine.runner.launch
+    monkeypatch.setattr(
+        idle_server.engine.runner, "launch", lambda plan, rows: plans.append(plan) or launch(plan, rows)
+    )
     many = greedy(client, n=3, seed=41, logprobs=1, **fields)
+    monkeypatch.undo()
+    assert sum(plan.num_prefill_tokens for plan in plans) == len(PROMPT_IDS) - 1 + 3
+    assert sum(len(plan.copies) for plan in plans) == 2
     assert [c.index for c in many.choices] == [0, 1, 2] and len({c.text for c in many.choices}) == 3
     for i, choice in enumerate(many.choices):
         one = greedy(client, n=1, seed=41 + i, logprobs=1, **fields).choices[0]
