@@ -230,8 +230,18 @@ class Engine:
         prefill = tuple(chunk for chunk in plan.prefill if chunk.request_id in self.generations)
         if len(prefill) == len(plan.prefill):
             return plan
+        # A sample whose prefix copy came from a dropped chunk has counted that prefix as fed: it fails too.
+        copies = []
+        for copy in plan.copies:
+            gen = self.generations.get(copy.request_id)
+            if gen is not None and gen.request.fork_of not in self.generations:
+                self._finish(copy.request_id, "error", emit=True,
+                             error="the request whose prompt prefill this one shared failed")  # fmt: skip
+            elif gen is not None:
+                copies.append(copy)
         return dataclasses.replace(plan, prefill=prefill, action=step_action(plan.decode, prefill),
-                                   prompt_logprobs=plan.prompt_logprobs and bool(prefill))  # fmt: skip
+                                   prompt_logprobs=plan.prompt_logprobs and bool(prefill),
+                                   copies=tuple(copies))  # fmt: skip
 
     def _trace(self, line: str) -> None:
         if self.trace_steps:

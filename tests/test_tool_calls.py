@@ -39,7 +39,7 @@ class ScriptedEngine:
     def abort(self, request_id: str) -> None:
         pass
 
-    def submit(self, prompt_ids, params, on_output, request_id) -> None:
+    def submit(self, prompt_ids, params, on_output, request_id, fork_of=None) -> None:
         self.prompts.append(list(prompt_ids))
         pieces = [self.answer[i : i + 4] for i in range(0, len(self.answer), 4)]
 
