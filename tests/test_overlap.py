@@ -501,6 +501,25 @@ TRACE_SCRIPTS = {
 }  # fmt: skip
 
 
+def test_a_prefix_copy_from_a_chunk_dropped_after_a_failed_step_fails_its_sample(stream_engine):
+    """Two samples of one prompt: the first one's chunk that ends at the prefix, with the second one's copy, is in
+    the next plan when the wait on a failed overlapped step retires the first one. The plan then drops the chunk,
+    and the copy, whose source would be the freed caches; the second sample, which counted the prefix as fed,
+    fails with a message instead of decoding from them."""
+    engine, collector, p = stream_engine, Collector(), prompt(12, seed=5)
+    first = engine.submit(p, greedy(2), collector)
+    second = engine.submit(p, greedy(2), collector, fork_of=first)
+    engine._drain_inbox()
+    plan = engine.scheduler.schedule()
+    assert [(c.request_id, c.end) for c in plan.prefill] == [(first, 11)] and len(plan.copies) == 1
+    engine._finish(first, "error", emit=True, error="the step failed")  # what processing the failed step does
+    kept = engine._without_retired(plan)
+    assert kept.prefill == () and kept.copies == () and kept.action == "idle"
+    assert collector.result(second, len(p)).finish_reason == "error"
+    assert "shared failed" in collector.result(second, len(p)).error
+    engine.run_until_done()
+
+
 @pytest.mark.parametrize("script", sorted(TRACE_SCRIPTS))
 def test_the_overlap_trace_follows_the_script(stream_engine, caplog, monkeypatch, script):
     (decoder_len, decoder_tokens), (prompt_len, prompt_tokens), expected = TRACE_SCRIPTS[script]
