@@ -206,7 +206,7 @@ class Scheduler:
         """A request with `fork_of` takes a copy of that request's prompt prefix when it can: same prompt of 2 tokens
         or more, neither one's prompt scored, that one not yet past the prefix, and steps not batch-invariant (whose
         chunk boundaries must be a lone run's). Otherwise it prefills its prompt itself."""
-        leader = self._requests.get(request.fork_of) if request.fork_of is not None else None
+        leader = self._requests.get(request.fork_of)  # None too when fork_of is None
         prefix = request.num_prompt_tokens - 1
         if (leader is None or leader.prompt_ids != request.prompt_ids or prefix < 1 or self.config.batch_invariant
                 or request.prompt_logprobs or leader.prompt_logprobs or leader.num_computed_tokens > prefix):  # fmt: skip
@@ -348,7 +348,7 @@ class Scheduler:
 
     def _waits_for_fork(self, request: Request) -> bool:
         """It will take a copy of its fork's prefix, which that request has not prefilled yet."""
-        leader = self._requests.get(request.fork_of) if request.fork_of is not None else None
+        leader = self._requests.get(request.fork_of)
         return (
             leader is not None and request.num_computed_tokens == 0 and leader.num_computed_tokens < leader.fork_point
         )

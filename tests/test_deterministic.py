@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import os
-import signal
-import subprocess
-import sys
 
 import openai
 import pytest
 from test_engine import StepSpy, generate, prompt
+from test_server import start_serve, stop_serve
 
 from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.serving.engine import GenerationParams
@@ -112,24 +109,14 @@ def test_seeded_samples_equal_the_lone_one_in_copies_and_beside_others(determini
 
 @pytest.fixture(scope="module")
 def deterministic_server(compile_cache_dir, tmp_path_factory):
-    """`qwen35-jax serve --model tiny --deterministic` (bf16, the serve default) in a subprocess."""
-    stderr_path = tmp_path_factory.mktemp("serve") / "stderr.txt"
-    command = [sys.executable, "-m", "qwen35_jax.cli", "serve", "--model", "tiny", "--deterministic", "--port", "0",
-               "--max-batch", "4", "--max-prefill-tokens", "16", "--max-model-len", "256",
-               "--compile-cache", compile_cache_dir]  # fmt: skip
-    with stderr_path.open("w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=os.environ)
+    """`qwen35-jax serve --model tiny --deterministic` in a subprocess, in bf16 (the serve default), where the
+    default engine's greedy tokens move with the batch; the later flags override start_serve's."""
+    process, url = start_serve(compile_cache_dir, tmp_path_factory.mktemp("serve"), "--deterministic",
+                               "--dtype", "bfloat16", "--max-model-len", "256")  # fmt: skip
     try:
-        line = process.stdout.readline()
-        assert " on http://" in line, (line, stderr_path.read_text())
-        url = line.split(" on ")[1].split()[0]
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        finally:
-            process.kill()
+        stop_serve(process)
 
 
 def completion(client, prompt_ids: list[int], max_tokens: int, **sampling) -> tuple:

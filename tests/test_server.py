@@ -604,11 +604,7 @@ def test_serve_command_starts_announces_and_serves(live_server, tmp_path):
         response = client.completions.create(model="cli-tiny", prompt=PROMPT_IDS, max_tokens=3)
         assert response.usage.completion_tokens >= 1
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        finally:
-            process.kill()
+        stop_serve(process)
     progress = stderr.read_text()
     assert "loading weights" in progress and "compiling step programs" in progress
     assert process.stdout.read() == "", "start-up must print exactly one line to stdout"
@@ -625,6 +621,15 @@ def start_serve(compile_cache: str, tmp_path, *flags: str) -> tuple[subprocess.P
     line = process.stdout.readline()
     assert " on http://" in line, (line, (tmp_path / "stderr.txt").read_text())
     return process, line.split(" on ")[1].split()[0]
+
+
+def stop_serve(process: subprocess.Popen) -> None:
+    """Ctrl+C, as a user stops `serve`; killed if it has not exited within 30 s."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=30)
+    finally:
+        process.kill()
 
 
 async def stream_to_the_end(client: httpx.AsyncClient, url: str, first: asyncio.Event, max_tokens: int) -> dict:
