@@ -8,7 +8,7 @@ each stream lane was busy, the largest kernels, and the program's scratch and HL
 
 Variants (`--variants`): `off`; `stream` (both sides' mixers on their streams); `stream-prefill` (only the
 prefill side's mixers on a stream; the decode side runs on the program's own stream, its GDN states updated in
-the pools in place).
+the pools in place). A `+lhs` suffix compiles the variant's programs with XLA's latency-hiding scheduler.
 
     python3 tools/profile_overlap.py --model 4b --batch 16 --chunk 256 --json profile_overlap.json
 """
@@ -20,6 +20,7 @@ import collections
 import json
 import re
 import tempfile
+import time
 
 from device_trace import time_by_name, trace_events
 
@@ -67,15 +68,45 @@ def trace_summary(runner, key, runs: int, top: int) -> dict:
     }
 
 
+def region_schedule(text: str) -> dict:
+    """How the entry computation's schedule orders the regions: the most regions open at once (started, not yet
+    done), and how many start while another is open (only those can run beside it)."""
+    entry = text[text.index("\nENTRY ") :]
+    entry = entry[: entry.index("\n}")]
+    open_regions, most, beside = set(), 0, 0
+    for line in entry.splitlines():
+        start = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = .* call-start\(", line)
+        done = re.search(r" call-done\(%?([\w.-]+)", line)
+        if start:
+            beside += bool(open_regions)
+            open_regions.add(start.group(1))
+            most = max(most, len(open_regions))
+        elif done:
+            open_regions.discard(done.group(1))
+    return {"most_open": most, "started_beside_another": beside}
+
+
 def hlo_counts(executable) -> dict:
     text = executable.as_text()
     return {
+        "schedule": region_schedule(text),
         "call_start": text.count("call-start("),
         "copies": len(re.findall(r" copy\(", text)),
         "copy_starts": len(re.findall(r" copy-start\(", text)),
         "gathers": len(re.findall(r" gather\(", text)),
         "scatters": len(re.findall(r" scatter\(", text)),
     }
+
+
+def _compile_with(options: dict) -> None:
+    """Every program the runners compile from now on gets these XLA options."""
+    from qwen35_jax.serving.runner import Runner
+
+    def timed_compile(self, lowered, lower_seconds):
+        start = time.perf_counter()
+        return lowered.compile(options or None), lower_seconds + time.perf_counter() - start
+
+    Runner._timed_compile = timed_compile
 
 
 def main() -> None:
@@ -87,12 +118,13 @@ def main() -> None:
     parser.add_argument("--model", default="4b")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=256)
-    parser.add_argument("--variants", default="off,stream,stream-prefill")
+    parser.add_argument("--variants", default="off,stream,stream-prefill,off+lhs,stream+lhs,stream-prefill+lhs")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--kernels", default="pallas")
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--hlo-dir", default=None, help="write each variant's optimised unified HLO here")
     args = parser.parse_args()
     enable_compile_cache(args.compile_cache)
     model = load_model(args.model, dtype="bfloat16", kernels=args.kernels)
@@ -100,6 +132,8 @@ def main() -> None:
     plain_stream = model_module.StepContext.stream
     report = {"model": args.model, "key": list(unified), "variants": {}}
     for variant in args.variants.split(","):
+        variant, _, options = variant.partition("+")
+        _compile_with({"xla_gpu_enable_latency_hiding_scheduler": True} if options == "lhs" else {})
         if variant == "stream-prefill":
             model_module.StepContext.stream = lambda self, side: (
                 side if self.streams and side == model_module.PREFILL_STREAM else None
@@ -107,6 +141,7 @@ def main() -> None:
         runner = build_runner(model, "off" if variant == "off" else "stream", args.batch, args.chunk)
         runner.compile_all()
         costs = runner.measure_step_costs([decode, prefill, unified], repeats=args.runs)
+        variant += f"+{options}" if options else ""
         report["variants"][variant] = {
             "unified_ms": costs[unified] * 1e3,
             "decode_only_ms": costs[decode] * 1e3,
@@ -116,6 +151,9 @@ def main() -> None:
             "hlo": hlo_counts(runner.executables[unified]),
             "trace": trace_summary(runner, unified, args.runs, args.top),
         }
+        if args.hlo_dir:
+            with open(f"{args.hlo_dir}/{variant}.hlo.txt", "w") as f:
+                f.write(runner.executables[unified].as_text())
         model_module.StepContext.stream = plain_stream
         print(json.dumps({variant: report["variants"][variant]}), flush=True)
         del runner
