@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 from jax.experimental.compute_on import compute_on
-from jax.experimental.xla_metadata import set_xla_metadata
 
 from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
@@ -60,26 +59,15 @@ INPUT_PROJECTIONS = ("in_proj", "qkv_proj")
 DECODE_STREAM, PREFILL_STREAM = 1, 2
 
 
-def on_stream(fn, stream: int | None, group: str | None = None):
+def on_stream(fn, stream: int | None):
     """fn as a region of the program on GPU stream `stream` (XLA's stream annotation), or fn itself for None.
 
     A region must be built from primitives and bare Pallas calls: a nested jax.jit inside one fails at run time
     ("No ExecutionStreamId found"), so the mixers it calls come from `kernels.region_mixers`. Its arguments are
-    passed explicitly, never closed over, and its outputs live in device memory.
-
-    group: the scheduling group of the regions that are to run at once. Without one, XLA's scheduler puts each
-    region's call-done right after its call-start, so the two sides' regions run one after the other."""
+    passed explicitly, never closed over, and its outputs live in device memory."""
     if stream is None:
         return fn
-    region = compute_on(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
-    if group is None:
-        return region
-
-    def grouped(*args):
-        with set_xla_metadata(_scheduling_group_id=group):
-            return region(*args)
-
-    return grouped
+    return compute_on(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
 
 
 def _param(shape, dtype) -> nnx.Param:
@@ -182,17 +170,10 @@ class StepContext:
     kv_offset: jax.Array  # [N] offset inside that page
     # The two sides' mixers run on their own GPU streams (an overlapped step with both sides present).
     streams: bool = False
-    # Scheduling group ids, one per layer's pair of regions; counted from 1 in every trace, so that a program's
-    # HLO (and its persistent-cache key) is the same from run to run.
-    _groups: Any = dataclasses.field(default_factory=lambda: itertools.count(1), compare=False, repr=False)
 
     def stream(self, side: int) -> int | None:
         """The stream a side's mixers run on, or None for the program's own stream."""
         return side if self.streams else None
-
-    def new_group(self) -> str | None:
-        """A scheduling group for one layer's two regions (None when the step has no regions)."""
-        return str(next(self._groups)) if self.streams else None
 
     def split(self, x: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
         """Flat token rows [N, ...] -> (decode [B, ...] or None, prefill [P, T, ...] or None)."""
@@ -244,7 +225,7 @@ class GatedDeltaNet(nnx.Module):
                 k.reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
                 v.reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim))  # fmt: skip
 
-    def _decode(self, ctx, mixed, g, beta, pools, layer, group):
+    def _decode(self, ctx, mixed, g, beta, pools, layer):
         """The decode rows' conv and recurrent states are updated where they live, in the slot pools: one read
         and one write of each (gathering them into the step and scattering them back took three)."""
 
@@ -266,7 +247,7 @@ class GatedDeltaNet(nnx.Module):
             taken = jnp.concatenate([slots, jnp.full((1,), trash, slots.dtype)])
             rows = jnp.arange(slots.shape[0], dtype=jnp.int32)
             rows = jnp.where(slots == trash, slots.shape[0], rows)
-            out, ssm_rows, conv_rows = on_stream(mix, stream, group)(
+            out, ssm_rows, conv_rows = on_stream(mix, stream)(
                 mixed, weight, g, beta, pools.ssm[layer, taken][None], pools.conv[layer, taken][None],
                 jnp.zeros((), jnp.int32), rows,
             )  # fmt: skip
@@ -274,7 +255,7 @@ class GatedDeltaNet(nnx.Module):
             conv_pool = pools.conv.at[layer, slots].set(conv_rows[0, rows])
         return out, dataclasses.replace(pools, ssm=ssm_pool, conv=conv_pool)
 
-    def _prefill(self, ctx, mixed, g, beta, state: GdnState, group):
+    def _prefill(self, ctx, mixed, g, beta, state: GdnState):
         def mix(mixed, weight, g, beta, ssm, conv, lengths):
             mixed, conv = ctx.mixers.conv_prefill(mixed, weight, conv, lengths)
             q, k, v = self._split_qkv(mixed)
@@ -282,7 +263,7 @@ class GatedDeltaNet(nnx.Module):
             return out, ssm, conv
 
         weight = self.conv1d.weight[...][:, 0, :]
-        out, ssm, conv = on_stream(mix, ctx.stream(PREFILL_STREAM), group)(
+        out, ssm, conv = on_stream(mix, ctx.stream(PREFILL_STREAM))(
             mixed, weight, g, beta, state.ssm, state.conv, ctx.inputs.prefill.lengths
         )
         return out, GdnState(ssm, conv)
@@ -296,12 +277,12 @@ class GatedDeltaNet(nnx.Module):
         a = a.astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         (mixed_d, mixed_p), (g_d, g_p), (beta_d, beta_p) = ctx.split(mixed), ctx.split(g), ctx.split(beta)
-        outs, group = [], ctx.new_group()
+        outs = []
         if mixed_d is not None:
-            out, pools = self._decode(ctx, mixed_d, g_d, beta_d, pools, layer, group)
+            out, pools = self._decode(ctx, mixed_d, g_d, beta_d, pools, layer)
             outs.append(out.reshape(-1, *out.shape[-2:]))
         if mixed_p is not None:
-            out, state = self._prefill(ctx, mixed_p, g_p, beta_p, state, group)
+            out, state = self._prefill(ctx, mixed_p, g_p, beta_p, state)
             outs.append(out.reshape(-1, *out.shape[-2:]))
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv, dv]
         out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)
@@ -359,16 +340,15 @@ class Attention(nnx.Module):
         v_pages = cache.v_pages.at[layer, ctx.kv_page, ctx.kv_offset].set(v)
         q_d, q_p = ctx.split(q)
         out_d = out_p = None
-        group = ctx.new_group()
         if q_d is not None:
             side = ctx.inputs.decode
-            out_d = on_stream(ctx.mixers.decode_attention, ctx.stream(DECODE_STREAM), group)(
+            out_d = on_stream(ctx.mixers.decode_attention, ctx.stream(DECODE_STREAM))(
                 q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1
             )
         if q_p is not None:
             side = ctx.inputs.prefill
             (_, k_p), (_, v_p) = ctx.split(k), ctx.split(v)  # the chunk's own keys, as projected (also paged now)
-            out_p = on_stream(ctx.mixers.prefill_attention, ctx.stream(PREFILL_STREAM), group)(
+            out_p = on_stream(ctx.mixers.prefill_attention, ctx.stream(PREFILL_STREAM))(
                 q_p, k_p, v_p, k_pages, v_pages, layer, side.page_table, side.start, side.lengths
             )
         out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)

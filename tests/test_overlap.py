@@ -252,8 +252,7 @@ def test_the_region_side_of_the_decode_mixers_computes_what_the_pool_side_does(
     assert any(plan.action == "overlap_launch" for plan in recorder.plans)
     monkeypatch.setattr(runner_module, "annotates_streams", lambda *args: True)
     monkeypatch.setattr(runner_module, "region_mixers", lambda mixers: mixers)
-    # Regions become plain calls; their scheduling groups are still set.
-    monkeypatch.setattr(model_module, "compute_on", lambda fn, compute_type, out_memory_spaces: fn)
+    monkeypatch.setattr(model_module, "on_stream", lambda fn, stream: fn)
     regions = engines.build(tiny_model, compile_now=False, decode_overlap="stream", **LIMITS)
     try:
         assert regions.runner.streams

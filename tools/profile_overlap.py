@@ -75,8 +75,7 @@ def region_schedule(text: str) -> dict:
     entry = entry[: entry.index("\n}")]
     open_regions, most, beside = set(), 0, 0
     for line in entry.splitlines():
-        # Only the regions themselves: XLA also wraps their outputs' tuple reads in annotated calls.
-        start = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = .* call-start\(.*to_apply=%compute_on", line)
+        start = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = .* call-start\(", line)
         done = re.search(r" call-done\(%?([\w.-]+)", line)
         if start:
             beside += bool(open_regions)
