@@ -75,7 +75,8 @@ def region_schedule(text: str) -> dict:
     entry = entry[: entry.index("\n}")]
     open_regions, most, beside = set(), 0, 0
     for line in entry.splitlines():
-        start = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = .* call-start\(", line)
+        # Only the regions themselves: XLA also wraps their outputs' tuple reads in annotated calls.
+        start = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = .* call-start\(.*to_apply=%compute_on", line)
         done = re.search(r" call-done\(%?([\w.-]+)", line)
         if start:
             beside += bool(open_regions)
