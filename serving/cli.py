@@ -48,6 +48,9 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=defaults.max_batch, help="most requests running at once")
     p.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
                    help="prompt tokens prefilled per step at most")  # fmt: skip
+    p.add_argument("--max-prefill-chunks", type=int, default=None,
+                   help="prompts one prefill-only step may carry, padded within --max-prefill-tokens "
+                        "(default: 8; 1 under --deterministic)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"longest prompt + output, in tokens (default: the model's, at most {defaults.max_model_len})")  # fmt: skip
     p.add_argument("--gpu-memory-fraction", type=float, default=defaults.gpu_memory_fraction,
@@ -96,6 +99,7 @@ def engine_config(args, max_position_embeddings: int):
     try:
         return EngineConfig(
             max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens, max_model_len=max_model_len,
+            max_prefill_chunks=args.max_prefill_chunks,
             gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
             scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap,
             overlap_step_bound=args.overlap_step_bound, compile_cache=cache,

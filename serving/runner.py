@@ -48,7 +48,7 @@ from qwen35_jax.serving.device_sampling import (
     resample,
     top_logprobs,
 )
-from qwen35_jax.serving.plan import StepPlan
+from qwen35_jax.serving.plan import PACKED_MIN_CHUNK, StepPlan, bucket_for, chunk_buckets, power_of_two_buckets
 from qwen35_jax.serving.pools import TRASH_PAGE
 
 log = logging.getLogger(__name__)
@@ -58,21 +58,6 @@ MAX_COMPILE_WORKERS = 8  # XLA compiles in parallel threads; more than 8 mostly 
 # once whatever the row count (they are memory-bound), and the GDN prefill works in 64-token chunks, so a
 # shorter chunk padded to 64 costs the same step time and each decode bucket needs fewer unified programs.
 UNIFIED_MIN_CHUNK = 64
-
-
-def power_of_two_buckets(largest: int, smallest: int = 1) -> tuple[int, ...]:
-    buckets, size = [], smallest
-    while size < largest:
-        buckets.append(size)
-        size *= 2
-    return (*buckets, largest)
-
-
-def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
-    for size in buckets:
-        if n <= size:
-            return size
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +79,7 @@ class Buckets:
         return cls(
             decode=(max_batch,) if batch_invariant else power_of_two_buckets(max_batch),
             prefill_rows=power_of_two_buckets(max_prefill_chunks),
-            chunk=power_of_two_buckets(max_prefill_tokens, smallest=min(16, max_prefill_tokens)),
+            chunk=chunk_buckets(max_prefill_tokens),
             prompt_logprobs_chunk=scored if prompt_logprobs_chunk else (),
             unified=not batch_invariant,
         )
@@ -113,15 +98,23 @@ class Buckets:
         return [(kind, r) for kind in ROW_PROGRAMS for r in rows] + [(MARK_PROMPT, self.chunk[-1]), (COPY_PREFIX, 1)]
 
     def keys(self) -> list[tuple[int, int, int]]:
-        """Every (B, P, T) program: decode-only, prefill-only and unified."""
+        """Every (B, P, T) program: decode-only, prefill-only and unified. Prefill-only programs pack several
+        chunks only where their padded tokens stay within one full chunk (`plan.packed_chunk_cap`); a step
+        with decode rows carries one chunk."""
         decode = [(b, 0, 0) for b in self.decode]
-        prefill = [(0, p, t) for p in self.prefill_rows for t in self.chunk]
+        prefill = [(0, 1, t) for t in self.chunk]
+        prefill += [(0, p, t) for p in self.prefill_rows[1:] for t in self.packed_chunk if p * t <= self.chunk[-1]]
         return decode + prefill + self.unified_keys()
+
+    @property
+    def packed_chunk(self) -> tuple[int, ...]:
+        """Chunk buckets of the prefill-only programs with several chunks (`plan.packed_chunk_buckets`)."""
+        return tuple(t for t in self.chunk if t >= min(PACKED_MIN_CHUNK, self.chunk[-1]))
 
     def unified_keys(self, chunks: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
         """The unified programs, at the given chunk buckets (all of them by default)."""
         chunks = self.unified_chunk if chunks is None else chunks
-        return [(b, p, t) for b in self.decode for p in self.prefill_rows for t in chunks]
+        return [(b, 1, t) for b in self.decode for t in chunks]
 
     def key_for(self, plan: StepPlan) -> tuple[int, int, int]:
         """(B, P, T) of the plan's program; a prompt-logprobs step's is (0, 1, T) in `prompt_logprobs_chunk`."""
@@ -131,12 +124,17 @@ class Buckets:
         if not plan.prefill:
             return b, 0, 0
         longest = max(len(c.token_ids) for c in plan.prefill)
-        if b and not self.unified:
+        if b and (not self.unified or len(plan.prefill) > 1):
             raise ValueError(
-                f"step {plan.step_id} packs decode rows beside a prompt chunk, which these buckets never do"
+                f"step {plan.step_id} packs decode rows beside {len(plan.prefill)} prompt chunks, which these buckets "
+                f"never do (unified programs: {self.unified}, one chunk each)"
             )
-        chunks = self.unified_chunk if b else self.chunk
-        return b, bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, chunks)
+        rows = bucket_for(len(plan.prefill), self.prefill_rows)
+        key = b, rows, bucket_for(longest, self.unified_chunk if b else self.packed_chunk if rows > 1 else self.chunk)
+        if not b and key[1] > 1 and key[1] * key[2] > self.chunk[-1]:
+            raise ValueError(f"step {plan.step_id} packs {len(plan.prefill)} chunks of up to {longest} tokens: "
+                             f"{key[1]} x {key[2]} padded tokens exceed the largest chunk, {self.chunk[-1]}")  # fmt: skip
+        return key
 
 
 ROW_PROGRAMS = ("sample", "top")  # one of each per output row count

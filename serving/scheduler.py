@@ -43,6 +43,7 @@ from .plan import (
     RequestStatus,
     StateCopy,
     StepPlan,
+    packed_chunk_cap,
 )
 from .pools import PagePool, SlotPool, pages_needed
 
@@ -269,7 +270,7 @@ class Scheduler:
         if self.config.batch_invariant and decoders and budget:
             decoders, budget = self._one_side(decoders, budget)
         decode = tuple(self._launch_decode(request) for request in decoders)
-        prefill = tuple(self._launch_chunks(budget))
+        prefill = tuple(self._launch_chunks(budget, beside_decode=bool(decode)))
         action = step_action(decode, prefill)
         if self.config.decode_overlap == "stream":
             action = overlap_action(action, self._last_action)
@@ -363,15 +364,23 @@ class Scheduler:
         request.num_output_tokens += 1
         return row
 
-    def _launch_chunks(self, budget: int) -> list[PrefillChunk]:
-        chunks = []
+    def _launch_chunks(self, budget: int, beside_decode: bool) -> list[PrefillChunk]:
+        """Prompt chunks in FCFS order, within the token budget: one beside decode rows; in a prefill-only step up
+        to `max_prefill_chunks`, each cut so that the step's padded tokens stay within one full chunk
+        (`packed_chunk_cap`), which lets short prompts that arrive together prefill together."""
+        config, chunks, longest = self.config, [], 0
+        limit = 1 if beside_decode else config.max_prefill_chunks
         # Listed before any chunk launches: a request that takes a copy in this step feeds only in a later one,
         # after the copy has run.
         for request in list(self._prompts_to_feed()):
-            if budget == 0 or len(chunks) == self.config.max_prefill_chunks:
+            if budget == 0 or len(chunks) == limit:
                 break
-            chunks.append(self._launch_chunk(request, min(request.feedable, budget)))
+            cap = packed_chunk_cap(len(chunks) + 1, config.max_prefill_tokens, config.max_prefill_chunks)
+            if cap < longest:  # one more chunk would pad the ones taken past the step's programs
+                break
+            chunks.append(self._launch_chunk(request, min(request.feedable, budget, cap)))
             budget -= len(chunks[-1].token_ids)
+            longest = max(longest, len(chunks[-1].token_ids))
         return chunks
 
     def _launch_chunk(self, request: Request, length: int) -> PrefillChunk:

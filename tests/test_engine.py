@@ -424,6 +424,22 @@ def test_chunked_prefill_matches_unchunked(engine, chunked_engine, monkeypatch):
         assert_same_greedy(got, want)
 
 
+def test_short_prompts_that_arrive_together_prefill_in_one_step(engines, tiny_model, engine, monkeypatch):
+    """Four short prompts in one prefill-only step (P = 4, each chunk padded to 64 tokens: 256 padded tokens, the
+    budget), each continued as it is alone on `engine` (other programs: logprobs within LOGPROB_ATOL)."""
+    packed = engines.build(tiny_model, compile_now=False, max_batch=4, max_prefill_tokens=256, max_prefill_chunks=4,
+                           max_model_len=512)  # fmt: skip
+    try:
+        requests = [(prompt(n, seed=200 + n), greedy(6)) for n in (7, 20, 33, 60)]
+        spy = StepSpy(packed.runner, monkeypatch)
+        together = generate(packed, requests)
+        assert spy.keys[0] == (0, 4, 64) and [len(c.token_ids) for c in spy.plans[0].prefill] == [7, 20, 33, 60]
+        for got, want in zip(together, [generate(engine, [request])[0] for request in requests], strict=True):
+            assert_same_greedy(got, want)
+    finally:
+        engines.release(packed)
+
+
 @pytest.mark.parametrize(
     "sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=7)], ids=["greedy", "seeded"]
 )

@@ -13,7 +13,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwen35_jax.serving.plan import DecodeRow, PrefillChunk, Request, RequestStatus, StateCopy, StepPlan
+from qwen35_jax.serving.plan import (
+    DecodeRow,
+    PrefillChunk,
+    Request,
+    RequestStatus,
+    StateCopy,
+    StepPlan,
+    bucket_for,
+    packed_chunk_buckets,
+    power_of_two_buckets,
+)
 from qwen35_jax.serving.pools import TRASH_PAGE, PagePool, SlotPool, pages_needed
 from qwen35_jax.serving.scheduler import OverlapBudget, RequestRejected, Scheduler, SchedulerConfig, trace
 
@@ -210,15 +220,39 @@ def test_chunks_cover_the_prompt_once_in_order():
 
 
 def test_several_prompts_share_one_step_budget():
-    a, b, c = make_request("a", 5, 2), make_request("b", 5, 2), make_request("c", 10, 2)
-    scheduler = scheduler_with(a, b, c, max_prefill_tokens=16, max_prefill_chunks=3)
+    # Three chunks pad to a row bucket of 3 (max_prefill_chunks) and chunk buckets of at least 64 tokens: 3 x 64
+    # fits the 256-token programs, 3 x 128 would not, so the third chunk is cut at 64 tokens although the budget
+    # has 246 left.
+    a, b, c = make_request("a", 5, 2), make_request("b", 5, 2), make_request("c", 100, 2)
+    scheduler = scheduler_with(a, b, c, max_prefill_tokens=256, max_prefill_chunks=3)
     plan = scheduler.schedule()
     assert [(ch.request_id, ch.start, len(ch.token_ids), ch.is_last) for ch in plan.prefill] == [
         ("a", 0, 5, True),
         ("b", 0, 5, True),
-        ("c", 0, 6, False),
+        ("c", 0, 64, False),
     ]
-    assert plan.num_prefill_tokens == 16 and plan.action == "prefill"
+    assert plan.num_prefill_tokens == 74 and plan.action == "prefill"
+
+
+def test_a_packed_step_never_pads_past_one_full_chunk():
+    # A first chunk of 200 tokens (bucket 256) leaves no room for a second: 2 x 256 padded tokens exceed 256.
+    long, short = make_request("long", 200, 2), make_request("short", 5, 2)
+    scheduler = scheduler_with(long, short, max_prefill_tokens=256, max_prefill_chunks=4)
+    assert [c.request_id for c in scheduler.schedule().prefill] == ["long"]
+    # With the long prompt decoding, the short one prefills beside it: one chunk beside decode rows.
+    plan = scheduler.schedule()
+    assert [c.request_id for c in plan.prefill] == ["short"] and len(plan.decode) == 1
+
+
+def test_a_step_with_decode_rows_carries_one_chunk():
+    decoder = make_request("d", 3, 8)
+    scheduler = scheduler_with(decoder, max_prefill_tokens=256, max_prefill_chunks=4)
+    scheduler.schedule()
+    for i in range(3):
+        scheduler.add(make_request(f"p{i}", 4, 2))
+    plans = [scheduler.schedule() for _ in range(3)]
+    assert [[c.request_id for c in plan.prefill] for plan in plans] == [["p0"], ["p1"], ["p2"]]
+    assert all(len(plan.decode) >= 1 for plan in plans)
 
 
 def test_max_prefill_chunks_limits_requests_per_step():
@@ -266,7 +300,7 @@ def test_a_request_that_waits_for_its_tokens_decodes_only_after_each_is_read():
     in every step, as it would alone."""
     g = Request("g", list(range(1000, 1003)), 8, waits_for_tokens=True)
     u = make_request("u", 3, 8)
-    scheduler = scheduler_with(g, u, max_prefill_tokens=16, max_prefill_chunks=2)
+    scheduler = scheduler_with(g, u, max_prefill_tokens=128, max_prefill_chunks=2)
     plan = scheduler.schedule()
     assert [c.request_id for c in plan.prefill] == ["g", "u"] and g.awaits_token  # the first token is in flight
     rows = []
@@ -456,12 +490,12 @@ def test_auto_without_decoders_grants_the_whole_cap():
     scheduler = scheduler_with(
         make_request("a", 5, 4),
         make_request("b", 5, 4),
-        max_prefill_tokens=16,
+        max_prefill_tokens=128,
         max_prefill_chunks=2,
         policy="auto",
     )
     plan = scheduler.schedule()
-    assert plan.budget == 16 and plan.num_prefill_tokens == 10
+    assert plan.budget == 128 and plan.num_prefill_tokens == 10
 
 
 def test_policy_off_ignores_the_finishing_window():
@@ -687,6 +721,15 @@ class EngineModel:
         self.seen[plan.action] += 1
         assert plan.num_decode_rows <= config.max_batch and len(plan.prefill) <= config.max_prefill_chunks
         assert plan.num_prefill_tokens <= plan.budget <= config.max_prefill_tokens
+        if plan.decode:
+            assert len(plan.prefill) <= 1, "decode rows beside several chunks"
+        elif len(plan.prefill) > 1:  # the step's program exists: its padded tokens stay within one full chunk
+            rows = bucket_for(len(plan.prefill), power_of_two_buckets(config.max_prefill_chunks))
+            longest = bucket_for(
+                max(len(c.token_ids) for c in plan.prefill), packed_chunk_buckets(config.max_prefill_tokens)
+            )
+            assert rows * longest <= config.max_prefill_tokens
+            self.seen["packed"] += 1
         ids = [row.request_id for row in plan.decode] + [chunk.request_id for chunk in plan.prefill]
         assert len(ids) == len(set(ids)), "a request appears twice in one step"
         for row in plan.decode:
@@ -775,7 +818,7 @@ def arrival_number(request: Request) -> int:
 
 def random_config(pick: Callable[[int, int], int]) -> SchedulerConfig:
     """A small config; `pick(lo, hi)` draws an integer in [lo, hi] (from hypothesis or a seeded rng)."""
-    max_batch, page_size, max_prefill_tokens = pick(1, 4), pick(1, 8), pick(1, 24)
+    max_batch, page_size, max_prefill_tokens = pick(1, 4), pick(1, 8), pick(1, 160)
     batch_invariant = pick(0, 3) == 0
     return SchedulerConfig(
         max_batch=max_batch,
@@ -832,6 +875,6 @@ def test_long_seeded_traffic_meets_every_situation():
     situations = [
         "prefill", "decode", "unified", "idle", "partial chunk", "last chunk", "prefill deferred",
         "rejected", "waiting behind running", "stop", "length", "abort waiting", "abort prefilling",
-        "abort decoding", "abort decoding done sampling", "prompt logprobs", "prompt only", "batch-invariant turn", "prefix copied",
+        "abort decoding", "abort decoding done sampling", "prompt logprobs", "prompt only", "batch-invariant turn", "prefix copied", "packed",
     ]  # fmt: skip
     assert {name: seen[name] for name in situations if seen[name] == 0} == {}
