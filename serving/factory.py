@@ -174,8 +174,8 @@ def compile_overlapped(runner: Runner, bound: float, progress=None) -> OverlapBu
     bucket stops at its first chunk past the bound. Returns the budget sized from the measured costs; logs it."""
     buckets = runner.buckets
     runner.compile_all(progress, keys=[key for key in buckets.keys() if not (key[0] and key[1])])
-    costs = runner.measure_step_costs([(b, 0, 0) for b in buckets.decode])
-    open_rows = list(buckets.decode)
+    costs = runner.measure_step_costs([(b, 0, 0) for b in buckets.unified_decode])
+    open_rows = list(buckets.unified_decode)
     for chunk in buckets.unified_chunk:
         wave = [key for key in buckets.unified_keys((chunk,)) if key[0] in open_rows]
         runner.compile_all(keys=wave)

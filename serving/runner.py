@@ -85,6 +85,16 @@ class Buckets:
         )
 
     @property
+    def unified_decode(self) -> tuple[int, ...]:
+        """Decode buckets of the unified programs: those from a quarter of the largest. Beside a chunk of 64 tokens
+        or more, padding decode rows costs little (the products are over T + B rows, and padding rows skip the
+        GDN step and read one KV page), and the unified programs are the most numerous and the slowest to
+        build."""
+        if not self.unified:
+            return ()
+        return tuple(b for b in self.decode if 4 * b >= self.decode[-1])
+
+    @property
     def unified_chunk(self) -> tuple[int, ...]:
         """Chunk buckets of the unified programs: those from UNIFIED_MIN_CHUNK (or the largest, if smaller)."""
         if not self.unified:
@@ -114,15 +124,15 @@ class Buckets:
     def unified_keys(self, chunks: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
         """The unified programs, at the given chunk buckets (all of them by default)."""
         chunks = self.unified_chunk if chunks is None else chunks
-        return [(b, 1, t) for b in self.decode for t in chunks]
+        return [(b, 1, t) for b in self.unified_decode for t in chunks]
 
     def key_for(self, plan: StepPlan) -> tuple[int, int, int]:
         """(B, P, T) of the plan's program; a prompt-logprobs step's is (0, 1, T) in `prompt_logprobs_chunk`."""
         if plan.prompt_logprobs:
             return 0, 1, bucket_for(len(plan.prefill[0].token_ids), self.prompt_logprobs_chunk)
-        b = bucket_for(plan.num_decode_rows, self.decode) if plan.decode else 0
         if not plan.prefill:
-            return b, 0, 0
+            return bucket_for(plan.num_decode_rows, self.decode) if plan.decode else 0, 0, 0
+        b = bucket_for(plan.num_decode_rows, self.unified_decode or self.decode) if plan.decode else 0
         longest = max(len(c.token_ids) for c in plan.prefill)
         if b and (not self.unified or len(plan.prefill) > 1):
             raise ValueError(

@@ -32,7 +32,8 @@ from qwen35_jax.sampling import SamplingParams, filtered_probs
 from qwen35_jax.serving import device_sampling
 from qwen35_jax.serving.device_sampling import SamplingRows
 from qwen35_jax.serving.engine import GenerationParams, RequestOutput, SamplingRow, TokenLogprob
-from qwen35_jax.serving.runner import StepHandle
+from qwen35_jax.serving.plan import DecodeRow, PrefillChunk, StepPlan
+from qwen35_jax.serving.runner import Buckets, StepHandle
 from qwen35_jax.serving.scheduler import RequestRejected
 
 GOLDEN_DIR = Path(__file__).parent / "fixtures" / "golden"
@@ -1054,6 +1055,30 @@ def test_the_gpu_weight_layout_serves_the_same_tokens(engines, engine, monkeypat
         assert any(b and p for b, p, _ in spy.keys), "no unified step ran"
     finally:
         engines.release(per_group)
+
+
+def test_the_program_set_at_the_serving_defaults():
+    """--max-batch 16, --max-prefill-tokens 1024, --max-prefill-chunks 8: unified programs from a quarter of the
+    largest decode bucket, packed prefill-only programs within 1024 padded tokens, and plans mapped to them."""
+    buckets = Buckets.for_limits(16, 1024, 8)
+    keys = buckets.keys()
+    assert buckets.unified_decode == (4, 8, 16) and len(keys) == 5 + 7 + 9 + 15 == len(set(keys))
+    assert sorted(k for k in keys if k[0] == 0 and k[1] > 1) == [
+        (0, 2, 64), (0, 2, 128), (0, 2, 256), (0, 2, 512), (0, 4, 64), (0, 4, 128), (0, 4, 256), (0, 8, 64), (0, 8, 128)
+    ]  # fmt: skip
+
+    def chunk(length: int) -> PrefillChunk:
+        return PrefillChunk("p", 0, 0, tuple(range(length)), (1,), True)
+
+    row = DecodeRow("d", 1, 5, (2,))
+    assert buckets.key_for(StepPlan(0, (row,), (chunk(30),), "unified", 30)) == (4, 1, 64)
+    assert buckets.key_for(StepPlan(0, (row,) * 3, (), "decode", 0)) == (4, 0, 0)
+    assert buckets.key_for(StepPlan(0, (), (chunk(100),) * 3, "prefill", 300)) == (0, 4, 128)
+    assert buckets.key_for(StepPlan(0, (), (chunk(10),) * 5, "prefill", 50)) == (0, 8, 64)
+    with pytest.raises(ValueError, match="beside 2 prompt chunks"):
+        buckets.key_for(StepPlan(0, (row,), (chunk(10),) * 2, "unified", 20))
+    with pytest.raises(ValueError, match="exceed the largest chunk"):
+        buckets.key_for(StepPlan(0, (), (chunk(300),) * 3, "prefill", 900))
 
 
 def test_programs_have_no_device_branch(engine):
