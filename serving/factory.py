@@ -143,8 +143,9 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
     )  # fmt: skip
     buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks,
                                  config.prompt_logprobs_chunk, batch_invariant=config.deterministic)  # fmt: skip
+    store = str(Path(config.compile_cache) / "programs") if config.compile_cache else None
     runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
-                    config.num_top_logprobs, decode_overlap=config.decode_overlap)  # fmt: skip
+                    config.num_top_logprobs, decode_overlap=config.decode_overlap, program_store=store)  # fmt: skip
     scheduler = Scheduler(SchedulerConfig(
         max_batch=config.max_batch, max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,
         num_pages=spec.num_pages, num_slots=spec.num_slots, max_model_len=config.max_model_len,
@@ -160,9 +161,12 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
             runner.compile_all(progress)
         summed = sum(runner.compile_seconds.values()) + sum(runner.row_compile_seconds.values())
         summed += sum(runner.prompt_compile_seconds.values())
-        log.info("compiled %d step programs, %d row programs and %d prompt-logprobs programs in %.1fs (wall; %.1fs "
-                 "summed over programs)", runner.num_compiles, runner.num_row_compiles, runner.num_prompt_compiles,
-                 time.perf_counter() - start, summed)  # fmt: skip
+        if jax.default_backend() == "gpu":
+            log.info("ran every step program once in %.1fs", runner.warm_up())
+        loaded = f"; {runner.store.loaded} loaded from {runner.store.path}" if runner.store else ""
+        log.info("built %d step programs, %d row programs and %d prompt-logprobs programs in %.1fs (wall; %.1fs "
+                 "summed over programs%s)", runner.num_compiles, runner.num_row_compiles, runner.num_prompt_compiles,
+                 time.perf_counter() - start, summed, loaded)  # fmt: skip
     return Engine(runner, scheduler, model.tokenizer, model.config.eos_token_ids)
 
 

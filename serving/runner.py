@@ -37,7 +37,7 @@ import numpy as np
 
 from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
 from qwen35_jax.cache import CacheSpec, new_cache
-from qwen35_jax.kernels import Mixers, region_mixers
+from qwen35_jax.kernels import Mixers, chunk_attention, region_mixers
 from qwen35_jax.model import ModelDef, forward
 from qwen35_jax.sampling import MAX_LOGIT_BIAS
 from qwen35_jax.serving.device_sampling import (
@@ -50,10 +50,21 @@ from qwen35_jax.serving.device_sampling import (
 )
 from qwen35_jax.serving.plan import PACKED_MIN_CHUNK, StepPlan, bucket_for, chunk_buckets, power_of_two_buckets
 from qwen35_jax.serving.pools import TRASH_PAGE
+from qwen35_jax.serving.program_store import ProgramStore, compile_noting_cache
 
 log = logging.getLogger(__name__)
 
 MAX_COMPILE_WORKERS = 8  # XLA compiles in parallel threads; more than 8 mostly adds host memory
+# On a GPU, the step programs with decode rows and at least two logit rows take cuBLAS's GEMMs, picked by its
+# heuristic, where XLA would autotune among cuBLAS and Triton GEMMs. The autotuner's pick varied between compiles
+# (batch 64 at 6.1 or 7.3 ms when it kept a split-K Triton GEMM for the GDN in_proj) and between the separately
+# compiled programs of `--decode-overlap stream` and `off`, whose greedy tokens then differed (with the pin they
+# agree over 64 requests at 4B). On the H200 at 4B the pinned programs were faster or level (docs/performance.md,
+# run Q): batch 256 6.16-6.25 against 6.49-6.60 ms, the unified (16, 1, 256) 8.25-8.36 against 9.14-9.26, batches
+# 16-64 within 1%; the unified (64, 1, 256) 3% slower. Batch 1 keeps the autotuner: its one-row logits product went
+# through an fp32 copy of the lm_head (2.4 GiB of scratch, 4.41 against 3.16 ms). So do prefill-only programs,
+# where it won (0, 1, 256: 7.91-7.95 against 8.77-9.19 ms).
+PINNED_GEMMS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
 # The smallest chunk bucket beside decode rows. Up to a few hundred rows, the dense layers read every weight
 # once whatever the row count (they are memory-bound), and the GDN prefill works in 64-token chunks, so a
 # shorter chunk padded to 64 costs the same step time and each decode bucket needs fewer unified programs.
@@ -260,7 +271,8 @@ def annotates_streams(decode_overlap: str, platform: str | None = None) -> bool:
 
 class Runner:
     def __init__(self, model_def: ModelDef, params, mixer_set: Mixers, spec: CacheSpec, buckets: Buckets,
-                 max_model_len: int, num_top_logprobs: int = 20, decode_overlap: str = "off"):  # fmt: skip
+                 max_model_len: int, num_top_logprobs: int = 20, decode_overlap: str = "off",
+                 program_store: str | None = None):  # fmt: skip
         self.streams = annotates_streams(decode_overlap)
         if self.streams:
             mixer_set = region_mixers(mixer_set)
@@ -298,6 +310,12 @@ class Runner:
                             "top": jax.jit(partial(top_logprobs, num_top=num_top_logprobs)),
                             MARK_PROMPT: jax.jit(mark_prompt_tokens, donate_argnums=0),
                             COPY_PREFIX: jax.jit(copy_prefix, donate_argnums=(0, 1))}  # fmt: skip
+        # Compiled programs saved on disk (program_store: its directory), so a warm start skips lowering.
+        self.store = ProgramStore(program_store, self.program_identity()) if program_store else None
+        if self.store is not None and mixer_set.name.startswith("pallas") and jax.default_backend() == "gpu":
+            # Stored programs call tokamax's Mosaic GPU attention, whose symbols exist once tokamax is imported
+            # (tracing imports it otherwise); without them a program fails to load.
+            chunk_attention.tokamax_attention()
 
     @property
     def num_compiles(self) -> int:
@@ -381,79 +399,115 @@ class Runner:
         return self._row_jitted["sample"].lower(logits, rows, self.token_state, self.output_counts, self.prompt_mask,
                                                 i32((r,)), i32((r,)))  # fmt: skip
 
-    def _timed_compile(self, lowered, lower_seconds: float) -> tuple[object, float]:
-        """XLA's compile of a lowered program; (executable, lower + compile seconds)."""
-        start = time.perf_counter()
-        executable = lowered.compile()
-        return executable, lower_seconds + time.perf_counter() - start
+    def program_identity(self) -> str:
+        """What decides every program besides its key: the model, kernels, shapes and limits (ProgramStore)."""
+        params = jax.tree.map(lambda x: (x.shape, str(x.dtype)), self.params)
+        return "\n".join(map(repr, (self.model_def.cfg, str(self.model_def.dtype), self.mixers.name, self.streams,
+                                     self.num_top, self.page_table_width, self.spec, self.buckets,
+                                     jax.tree.structure(self.params), jax.tree.leaves(params))))  # fmt: skip
+
+    def compiler_options(self, family: str, key) -> dict | None:
+        """XLA options of one program: on a GPU, step programs with decode rows and two logit rows or more take
+        PINNED_GEMMS."""
+        if family == "step" and key[0] and key[0] + key[1] >= 2 and jax.default_backend() == "gpu":
+            return PINNED_GEMMS
+        return None
+
+    def _family(self, family: str):
+        """(lower, executables, compile seconds) of a program family: step, row or prompt (-logprobs)."""
+        return {"step": (self._lower, self.executables, self.compile_seconds),
+                "row": (self._lower_row_program, self.row_executables, self.row_compile_seconds),
+                "prompt": (self._lower_prompt_program, self.prompt_executables, self.prompt_compile_seconds)}[family]  # fmt: skip
 
     @staticmethod
-    def _lower_and_compile(key, lower, compile_lowered) -> object:
+    def _program_name(family: str, key) -> str:
+        return "-".join(map(str, (family, *(key if isinstance(key, tuple) else (key,)))))
+
+    def _finish(self, family: str, key, executable, seconds: float, lower_seconds: float | None) -> object:
+        _, executables, compile_seconds = self._family(family)
+        executables[key], compile_seconds[key] = executable, seconds
+        how = "loaded" if lower_seconds is None else f"compiled ({lower_seconds:.2f}s of it lowering)"
+        if family == "step":
+            memory = executable.memory_analysis()
+            self.temp_bytes[key] = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
+            log.info("step B=%d P=%d T=%d %s in %.2fs; %.1f MiB scratch", *key, how, seconds,
+                     self.temp_bytes[key] / 2**20)  # fmt: skip
+        else:
+            log.info("%s program %s %s in %.2fs", family, key, how, seconds)
+        return executable
+
+    def _load(self, family: str, key) -> object | None:
+        """The program from the store, registered, or None."""
+        if self.store is None:
+            return None
+        start = time.perf_counter()
+        executable = self.store.load(self._program_name(family, key))
+        if executable is None:
+            return None
+        return self._finish(family, key, executable, time.perf_counter() - start, None)
+
+    def _compile_lowered(self, family: str, key, lowered, lower_seconds: float) -> object:
+        """XLA's compile of a lowered program (it releases the GIL: compile_all runs several at once), saved to the
+        store unless XLA's cache served it (program_store), and registered with its lower + compile seconds."""
+        start = time.perf_counter()
+        options = self.compiler_options(family, key)
+        executable, from_cache = compile_noting_cache(lowered, options)
+        seconds = lower_seconds + time.perf_counter() - start
+        if self.store is not None and not from_cache:
+            self.store.save(self._program_name(family, key), executable)
+        return self._finish(family, key, executable, seconds, lower_seconds)
+
+    def _build(self, family: str, key) -> object:
+        """The program of `key`: from the store, or lowered and compiled now."""
+        executable = self._load(family, key)
+        if executable is not None:
+            return executable
+        lower = self._family(family)[0]
         start = time.perf_counter()
         lowered = lower(key)
-        return compile_lowered(key, lowered, time.perf_counter() - start)
-
-    def _compile_row_lowered(self, key: tuple[str, int], lowered, lower_seconds: float) -> object:
-        executable, self.row_compile_seconds[key] = self._timed_compile(lowered, lower_seconds)
-        self.row_executables[key] = executable
-        log.info("compiled %s R=%d in %.2fs", *key, self.row_compile_seconds[key])
-        return executable
+        return self._compile_lowered(family, key, lowered, time.perf_counter() - start)
 
     def row_program(self, kind: str, r: int) -> object:
         """The compiled row program (compiled now if it was not: a test asserts that serving never does)."""
         key = (kind, r)
-        if key not in self.row_executables:
-            self._lower_and_compile(key, self._lower_row_program, self._compile_row_lowered)
-        return self.row_executables[key]
-
-    def _compile_lowered(self, key, lowered, lower_seconds: float) -> object:
-        executable, self.compile_seconds[key] = self._timed_compile(lowered, lower_seconds)
-        self.executables[key] = executable
-        memory = executable.memory_analysis()
-        self.temp_bytes[key] = getattr(memory, "temp_size_in_bytes", 0) if memory is not None else 0
-        log.info("compiled step B=%d P=%d T=%d in %.2fs (%.2fs of it lowering; %.1f MiB scratch)", *key,
-                 self.compile_seconds[key], lower_seconds, self.temp_bytes[key] / 2**20)  # fmt: skip
-        return executable
+        return self.row_executables.get(key) or self._build("row", key)
 
     def compile(self, key) -> object:
-        return self._lower_and_compile(key, self._lower, self._compile_lowered)
-
-    def _compile_prompt_lowered(self, t: int, lowered, lower_seconds: float) -> object:
-        executable, self.prompt_compile_seconds[t] = self._timed_compile(lowered, lower_seconds)
-        self.prompt_executables[t] = executable
-        log.info("compiled prompt-logprobs step T=%d in %.2fs", t, self.prompt_compile_seconds[t])
-        return executable
+        return self._build("step", key)
 
     def prompt_program(self, t: int) -> object:
         """The compiled prompt-logprobs step of chunk bucket t (compiled now if it was not: a test asserts that
         serving never does)."""
-        if t not in self.prompt_executables:
-            self._lower_and_compile(t, self._lower_prompt_program, self._compile_prompt_lowered)
-        return self.prompt_executables[t]
+        return self.prompt_executables.get(t) or self._build("prompt", t)
 
     def compile_all(self, progress=None, workers: int | None = None, keys=None) -> float:
-        """Compiles every bucket not compiled yet (or those of `keys`), and every row program and prompt-logprobs
-        program, and returns the wall seconds it took. Tracing and lowering
-        run here, one program after another (they hold the GIL); XLA's compiles, which release it, run in
-        `workers` threads at once, so start-up scales with the host's cores instead of the bucket count.
-        progress(total), if given, returns a bar (`update(n)`, `close()`) advanced as each compile ends,
+        """Builds every bucket not built yet (or those of `keys`), and every row program and prompt-logprobs
+        program, and returns the wall seconds it took. Programs in the store are loaded first, in `workers`
+        threads (on the H200, 16 4B step programs loaded in 12.7 s one after another, 2.7 s in 8 threads). The
+        others are traced and lowered here, one after another (they hold the GIL), and XLA's compiles, which
+        release it, run in the threads, so start-up scales with the host's cores instead of the bucket count.
+        progress(total), if given, returns a bar (`update(n)`, `close()`) advanced as each program is ready,
         from the start: lowering overlaps the compiles, so the bar moves while programs are still lowered."""
         start = time.perf_counter()
-        keys = [key for key in (self.buckets.keys() if keys is None else keys) if key not in self.executables]
-        rows = [key for key in self.buckets.row_programs() if key not in self.row_executables]
-        jobs = [(key, self._lower, self._compile_lowered) for key in keys]
-        jobs += [(key, self._lower_row_program, self._compile_row_lowered) for key in rows]
-        scored = [t for t in self.buckets.prompt_logprobs_chunk if t not in self.prompt_executables]
-        jobs += [(t, self._lower_prompt_program, self._compile_prompt_lowered) for t in scored]
+        wanted = {"step": self.buckets.keys() if keys is None else keys, "row": self.buckets.row_programs(),
+                  "prompt": self.buckets.prompt_logprobs_chunk}  # fmt: skip
+        jobs = [(family, key) for family, family_keys in wanted.items() for key in family_keys
+                if key not in self._family(family)[1]]  # fmt: skip
         workers = workers or min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
         bar = progress(len(jobs)) if progress is not None else None
         try:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="compile") as pool:
+                stored = [job for job in jobs if self.store is not None and self.store.has(self._program_name(*job))]
+                for loaded in pool.map(lambda job: self._load(*job), stored):
+                    if loaded is not None and bar is not None:
+                        bar.update(1)
                 futures = []
-                for key, lower, compile_lowered in jobs:
+                for family, key in jobs:
+                    if key in self._family(family)[1]:
+                        continue
                     lower_start = time.perf_counter()
-                    lowered = lower(key)
-                    future = pool.submit(compile_lowered, key, lowered, time.perf_counter() - lower_start)
+                    lowered = self._family(family)[0](key)
+                    future = pool.submit(self._compile_lowered, family, key, lowered, time.perf_counter() - lower_start)
                     if bar is not None:
                         future.add_done_callback(lambda _: bar.update(1))
                     futures.append(future)
@@ -475,6 +529,17 @@ class Runner:
         prefill = PrefillSide(np.zeros((p, t), np.int32), np.zeros(p, np.int32), np.full(p, t, np.int32), trash(p),
                               np.zeros((p, w), np.int32))  # fmt: skip
         return StepInputs(decode if b else None, prefill if p else None)
+
+    def warm_up(self) -> float:
+        """Runs every compiled step program once on padding inputs, so that the first requests do not pay a
+        program's first run (on a GPU: loading its kernels and the libraries' first calls). Returns the seconds."""
+        start = time.perf_counter()
+        for key, executable in list(self.executables.items()):
+            self.cache, self.token_state, outputs, _ = executable(
+                self._param_leaves, self.cache, self.token_state, self.padding_inputs(key)
+            )
+        jax.block_until_ready((self.cache, self.token_state))
+        return time.perf_counter() - start
 
     def measure_step_costs(self, keys=None, repeats: int = 5) -> dict[tuple[int, int, int], float]:
         """Device seconds of each compiled step program on padding inputs: what the host sizes overlapped steps

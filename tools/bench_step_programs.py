@@ -26,7 +26,14 @@ def main() -> None:
     parser.add_argument("--kernels", default="pallas")
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--autotuned-gemms",
+        action="store_true",
+        help="XLA's autotuned GEMMs in every program (the runner pins cuBLAS's for decode rows)",
+    )
     args = parser.parse_args()
+    if args.autotuned_gemms:
+        Runner.compiler_options = lambda self, family, key: None
     enable_compile_cache(args.compile_cache)
     keys = [tuple(int(x) for x in k.split(",")) for k in args.keys]
     model = load_model(args.model, dtype="bfloat16", kernels=args.kernels)

@@ -1,0 +1,137 @@
+"""Compiled programs kept on disk beside XLA's compilation cache, so that a warm start skips tracing and lowering.
+
+JAX's persistent cache is keyed by the lowered program, so even a warm start traces and lowers every program to find
+its entry: 0.2-0.8 s each on a 2-core CPU, most of a warm tiny server's start. This store is keyed by what decides
+the programs before any tracing: the engine's sources, the JAX build and device, the XLA flags, the model's config,
+dtype and parameter shapes, the kernel set, the cache shapes and the program's own key (`Runner.program_identity`).
+A program found here is deserialised (`jax.experimental.serialize_executable`); any other is compiled and saved,
+unless XLA's cache served it: XLA:CPU cannot serialise a program it loaded (the copy lacks its compiled functions
+and fails when run), so only programs that XLA compiled in this process are stored (`compile_noting_cache`).
+
+A stored program is trusted as this process's own: the store lives in the user's cache directory, like XLA's. The
+newest `KEEP_FINGERPRINTS` identities are kept; older ones (other code versions) are removed as a new one is made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jaxlib
+from jax.experimental.serialize_executable import deserialize_and_load, serialize
+
+log = logging.getLogger(__name__)
+
+KEEP_FINGERPRINTS = 4
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # recorded by JAX in the thread whose compile it served
+_compiling = threading.local()
+
+
+def _note_cache_hit(event: str, **kwargs) -> None:
+    if event == CACHE_HIT_EVENT:
+        _compiling.cache_hit = True
+
+
+jax.monitoring.register_event_listener(_note_cache_hit)
+
+
+def compile_noting_cache(lowered, options: dict | None = None):
+    """(lowered.compile(options), whether JAX's persistent cache served it instead of XLA compiling it)."""
+    _compiling.cache_hit = False
+    executable = lowered.compile(options) if options else lowered.compile()
+    return executable, _compiling.cache_hit
+
+
+_PACKAGES = ("qwen35_jax", "qwen35_jax.kernels", "qwen35_jax.serving")
+
+
+def source_digest() -> str:
+    """A digest of every Python source of the engine's packages: any code change makes a new store."""
+    digest = hashlib.sha256()
+    for package in _PACKAGES:
+        spec = importlib.util.find_spec(package)
+        root = Path(next(iter(spec.submodule_search_locations)))
+        for path in sorted(root.glob("*.py")):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cpu_flags() -> str:
+    # XLA:CPU code is built for the host's instruction set, which the device kind does not name.
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def platform_identity() -> str:
+    """JAX's build, the device, its instruction set on a CPU, and the XLA flags."""
+    device = jax.devices()[0]
+    parts = [jax.__version__, jaxlib.__version__, device.platform, device.device_kind, device.client.platform_version,
+             os.environ.get("XLA_FLAGS", "")]  # fmt: skip
+    if device.platform == "cpu":
+        parts.append(_cpu_flags())
+    return "\n".join(parts)
+
+
+class ProgramStore:
+    """Serialised compiled programs of one engine identity, one file per program name."""
+
+    def __init__(self, root: str | Path, identity: str):
+        fingerprint = hashlib.sha256("\n".join((source_digest(), platform_identity(), identity)).encode()).hexdigest()
+        self.root = Path(root)
+        self.path = self.root / fingerprint[:24]
+        self.loaded = 0
+        self.saved = 0
+
+    def _file(self, name: str) -> Path:
+        return self.path / f"{name}.bin"
+
+    def has(self, name: str) -> bool:
+        return self._file(name).exists()
+
+    def load(self, name: str):
+        """The compiled program `name`, or None if it is not stored or cannot be loaded here."""
+        path = self._file(name)
+        if not path.exists():
+            return None
+        try:
+            serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
+            executable = deserialize_and_load(serialized, in_tree, out_tree)
+        except Exception as error:  # a truncated or foreign file: compile instead, and overwrite it
+            log.warning("program store: cannot load %s (%s); compiling it", path, error)
+            return None
+        self.loaded += 1
+        return executable
+
+    def save(self, name: str, executable) -> None:
+        """Writes the program atomically (a reader never sees half a file); a program XLA cannot serialise is
+        skipped with a log line (on a CPU, those with a sort: XLA's `LessThan` comparator is not serialisable)."""
+        try:
+            blob = pickle.dumps(serialize(executable))
+        except Exception as error:
+            log.info("program store: cannot serialise %s (%s)", name, error)
+            return
+        if not self.path.exists():
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._prune()
+        with tempfile.NamedTemporaryFile(dir=self.path, suffix=".tmp", delete=False) as f:
+            f.write(blob)
+        os.replace(f.name, self._file(name))
+        self.saved += 1
+
+    def _prune(self) -> None:
+        others = [p for p in self.root.iterdir() if p.is_dir() and p != self.path]
+        others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        for stale in others[KEEP_FINGERPRINTS - 1 :]:
+            shutil.rmtree(stale, ignore_errors=True)
