@@ -7,6 +7,7 @@ flag or a taken port fails in milliseconds with exit code 2 and a message naming
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import threading
@@ -65,6 +66,13 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--overlap-step-bound", type=float, default=defaults.overlap_step_bound,
                    help="stream: a step carrying a prompt chunk costs at most this times the decode-only step")  # fmt: skip
     p.add_argument(
+        "--background-compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve once the few programs every step can pad up to are built, and build the rest in the"
+        " background (default: on, except with --deterministic or --decode-overlap stream, which build all first)",
+    )
+    p.add_argument(
         "--deterministic",
         action="store_true",
         help="every request's tokens and logprobs independent of what shares its batch: decode always runs"
@@ -104,6 +112,7 @@ def engine_config(args, max_position_embeddings: int):
             scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap,
             overlap_step_bound=args.overlap_step_bound, compile_cache=cache,
             prompt_logprobs_chunk=args.prompt_logprobs_chunk, deterministic=args.deterministic,
+            background_compile=args.background_compile,
         )  # fmt: skip
     except ValueError as err:
         raise FlagError(str(err)) from None

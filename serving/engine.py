@@ -152,6 +152,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.trace_steps = False
+        # Run programs built in the background once while idle (`Runner.warm_up`): set by build_engine on a GPU.
+        self.warm_up_idle = False
 
     # ---- requests --------------------------------------------------------------------------------------
     def check(self, num_prompt_tokens: int, max_tokens: int, prompt_logprobs: bool = False) -> None:
@@ -411,11 +413,18 @@ class Engine:
         while True:
             with self._wake:
                 while not self._stopping and not (self._inbox or self._aborts) and not self._busy():
-                    self._wake.wait()
+                    if self.warm_up_idle and self.runner.unwarmed():
+                        break
+                    # While programs are built in the background, look again for new ones to warm up.
+                    self._wake.wait(timeout=1.0 if self.warm_up_idle and self.runner.building else None)
                 if self._stopping:
                     break
+                idle = not (self._inbox or self._aborts) and not self._busy()
             try:
-                self.step()
+                if idle:  # a program built in the background: its first run now, not in a request's step
+                    self.runner.warm_up(self.runner.unwarmed()[:1])
+                else:
+                    self.step()
             except Exception as err:  # a host-side bug must not end the loop and strand every client
                 log.exception("engine step raised outside a device step")
                 self._fail_everything(f"engine error: {err}")
@@ -443,6 +452,7 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        self.runner.stop_background()  # after the program it is compiling, if any
         self._drain_inbox()  # requests submitted but never picked up must be ended too, or their consumers hang
         for request_id in list(self.generations):
             self._finish(request_id, "abort", emit=True, error="engine shut down")

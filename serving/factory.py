@@ -54,10 +54,26 @@ class EngineConfig:
     # steps of their own.
     deterministic: bool = False
     compile_cache: str | None = str(DEFAULT_COMPILE_CACHE)
+    # Serve once `Buckets.ready_keys` are built, padding each step up to a built program, and build the rest in a
+    # background thread. None: on, except under `deterministic` (its buckets are its chunk boundaries) and
+    # `decode_overlap` stream (its budget is measured over the whole set), which build everything first.
+    background_compile: bool | None = False
+    # Keep compiled programs in `compile_cache`/programs, so a warm start loads them without lowering
+    # (`serving/program_store.py`). None: on a GPU only. On a CPU, some XLA:CPU programs saved by one process
+    # crashed (SIGSEGV) when another process loaded and ran them, so there they are compiled from XLA's cache.
+    program_store: bool | None = None
 
     def __post_init__(self):
         if self.max_prefill_chunks is None:
             object.__setattr__(self, "max_prefill_chunks", 1 if self.deterministic else DEFAULT_PREFILL_CHUNKS)
+        whole_set_first = self.deterministic or self.decode_overlap == "stream"
+        if self.background_compile and whole_set_first:
+            raise ValueError(
+                "--background-compile cannot be combined with --deterministic or --decode-overlap stream: both "
+                "build every program before serving"
+            )
+        if self.background_compile is None:
+            object.__setattr__(self, "background_compile", not whole_set_first)
         checks = [
             (self.max_batch >= 1, f"--max-batch must be >= 1, got {self.max_batch}"),
             (self.max_prefill_tokens >= 16, f"--max-prefill-tokens must be >= 16, got {self.max_prefill_tokens}"),
@@ -143,7 +159,8 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
     )  # fmt: skip
     buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks,
                                  config.prompt_logprobs_chunk, batch_invariant=config.deterministic)  # fmt: skip
-    store = str(Path(config.compile_cache) / "programs") if config.compile_cache else None
+    use_store = jax.default_backend() == "gpu" if config.program_store is None else config.program_store
+    store = str(Path(config.compile_cache) / "programs") if config.compile_cache and use_store else None
     runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
                     config.num_top_logprobs, decode_overlap=config.decode_overlap, program_store=store)  # fmt: skip
     scheduler = Scheduler(SchedulerConfig(
@@ -157,6 +174,8 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         start = time.perf_counter()
         if config.decode_overlap == "stream":
             scheduler.overlap_budget = compile_overlapped(runner, config.overlap_step_bound, progress)
+        elif config.background_compile:
+            runner.compile_ready_set(progress)
         else:
             runner.compile_all(progress)
         summed = sum(runner.compile_seconds.values()) + sum(runner.row_compile_seconds.values())
@@ -167,7 +186,15 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         log.info("built %d step programs, %d row programs and %d prompt-logprobs programs in %.1fs (wall; %.1fs "
                  "summed over programs%s)", runner.num_compiles, runner.num_row_compiles, runner.num_prompt_compiles,
                  time.perf_counter() - start, summed, loaded)  # fmt: skip
-    return Engine(runner, scheduler, model.tokenizer, model.config.eos_token_ids)
+        if config.background_compile:
+            missing = len(buckets.keys()) - runner.num_compiles
+            missing += len(buckets.row_programs()) - runner.num_row_compiles
+            if missing:
+                log.info("building the other %d programs in the background; until then steps pad up", missing)
+                runner.compile_in_background(workers=max(1, (os.cpu_count() or 1) // 4))
+    engine = Engine(runner, scheduler, model.tokenizer, model.config.eos_token_ids)
+    engine.warm_up_idle = jax.default_backend() == "gpu"
+    return engine
 
 
 def compile_overlapped(runner: Runner, bound: float, progress=None) -> OverlapBudget:

@@ -6,7 +6,8 @@ the programs before any tracing: the engine's sources, the JAX build and device,
 dtype and parameter shapes, the kernel set, the cache shapes and the program's own key (`Runner.program_identity`).
 A program found here is deserialised (`jax.experimental.serialize_executable`); any other is compiled and saved,
 unless XLA's cache served it: XLA:CPU cannot serialise a program it loaded (the copy lacks its compiled functions
-and fails when run), so only programs that XLA compiled in this process are stored (`compile_noting_cache`).
+and fails when run), so only programs that XLA compiled in this process are stored (`compile_noting_cache`). The
+programs XLA's cache serves are lowered on every start, as without the store, until XLA compiles them anew.
 
 A stored program is trusted as this process's own: the store lives in the user's cache directory, like XLA's. The
 newest `KEEP_FINGERPRINTS` identities are kept; older ones (other code versions) are removed as a new one is made.
@@ -31,26 +32,29 @@ from jax.experimental.serialize_executable import deserialize_and_load, serializ
 log = logging.getLogger(__name__)
 
 KEEP_FINGERPRINTS = 4
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # recorded by JAX in the thread whose compile it served
+_PACKAGES = ("qwen35_jax", "qwen35_jax.kernels", "qwen35_jax.serving")
+# Recorded by JAX in the compiling thread: a compile that asks the persistent cache, and one that the cache served.
+CACHE_REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _compiling = threading.local()
 
 
-def _note_cache_hit(event: str, **kwargs) -> None:
-    if event == CACHE_HIT_EVENT:
-        _compiling.cache_hit = True
+def _note_event(event: str, **kwargs) -> None:
+    if event in (CACHE_REQUEST_EVENT, CACHE_HIT_EVENT):
+        _compiling.events = getattr(_compiling, "events", set()) | {event}
 
 
-jax.monitoring.register_event_listener(_note_cache_hit)
+jax.monitoring.register_event_listener(_note_event)
 
 
 def compile_noting_cache(lowered, options: dict | None = None):
-    """(lowered.compile(options), whether JAX's persistent cache served it instead of XLA compiling it)."""
-    _compiling.cache_hit = False
+    """(lowered.compile(options), whether XLA compiled it here). False when JAX's persistent cache served it, and
+    when JAX's in-memory cache of compiled modules returned an executable without asking the persistent cache
+    (it may be one the cache served earlier)."""
+    _compiling.events = set()
     executable = lowered.compile(options) if options else lowered.compile()
-    return executable, _compiling.cache_hit
-
-
-_PACKAGES = ("qwen35_jax", "qwen35_jax.kernels", "qwen35_jax.serving")
+    events = _compiling.events
+    return executable, CACHE_REQUEST_EVENT in events and CACHE_HIT_EVENT not in events
 
 
 def source_digest() -> str:

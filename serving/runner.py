@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import partial
@@ -115,8 +116,7 @@ class Buckets:
     def row_programs(self) -> list[tuple[str, int]]:
         """(kind, rows) of every row program: a sampler and a top-logprobs program per output row count B + P, the
         prompt-token marker over the most prompt tokens a step carries, and the prompt-prefix copy."""
-        rows = sorted({b + p for b, p, _ in self.keys()})
-        return [(kind, r) for kind in ROW_PROGRAMS for r in rows] + [(MARK_PROMPT, self.chunk[-1]), (COPY_PREFIX, 1)]
+        return self.rows_of(self.keys())
 
     def keys(self) -> list[tuple[int, int, int]]:
         """Every (B, P, T) program: decode-only, prefill-only and unified. Prefill-only programs pack several
@@ -126,6 +126,23 @@ class Buckets:
         prefill = [(0, 1, t) for t in self.chunk]
         prefill += [(0, p, t) for p in self.prefill_rows[1:] for t in self.packed_chunk if p * t <= self.chunk[-1]]
         return decode + prefill + self.unified_keys()
+
+    def ready_keys(self) -> list[tuple[int, int, int]]:
+        """The fewest programs that can run every plan, each padded up to one of them: the largest decode-only,
+        prefill-only and unified buckets, and for each count of packed chunks the longest chunk it allows (a
+        plan's chunk count and length pick its program, `key_for`, so no other packed program covers it)."""
+        keys = [(self.decode[-1], 0, 0), (0, 1, self.chunk[-1])]
+        for p in self.prefill_rows[1:]:
+            fits = [t for t in self.packed_chunk if p * t <= self.chunk[-1]]
+            if fits:
+                keys.append((0, p, fits[-1]))
+        unified = self.unified_keys()
+        return keys + ([max(unified)] if unified else [])
+
+    def rows_of(self, keys) -> list[tuple[str, int]]:
+        """The row programs the steps of `keys` use, with the prompt-token marker and the prefix copy."""
+        rows = sorted({b + p for b, p, _ in keys})
+        return [(kind, r) for kind in ROW_PROGRAMS for r in rows] + [(MARK_PROMPT, self.chunk[-1]), (COPY_PREFIX, 1)]
 
     @property
     def packed_chunk(self) -> tuple[int, ...]:
@@ -311,6 +328,11 @@ class Runner:
                             MARK_PROMPT: jax.jit(mark_prompt_tokens, donate_argnums=0),
                             COPY_PREFIX: jax.jit(copy_prefix, donate_argnums=(0, 1))}  # fmt: skip
         # Compiled programs saved on disk (program_store: its directory), so a warm start skips lowering.
+        self._background: threading.Thread | None = None  # compile_in_background's thread
+        self._stop_background = threading.Event()
+        self.background_seconds: float | None = None
+        self.pads_up = False  # steps may run a larger built program than their bucket's (compile_ready_set)
+        self._warm: set[tuple[int, int, int]] = set()  # step programs `warm_up` ran
         self.store = ProgramStore(program_store, self.program_identity()) if program_store else None
         if self.store is not None and mixer_set.name.startswith("pallas") and jax.default_backend() == "gpu":
             # Stored programs call tokamax's Mosaic GPU attention, whose symbols exist once tokamax is imported
@@ -451,9 +473,9 @@ class Runner:
         store unless XLA's cache served it (program_store), and registered with its lower + compile seconds."""
         start = time.perf_counter()
         options = self.compiler_options(family, key)
-        executable, from_cache = compile_noting_cache(lowered, options)
+        executable, compiled_here = compile_noting_cache(lowered, options)
         seconds = lower_seconds + time.perf_counter() - start
-        if self.store is not None and not from_cache:
+        if self.store is not None and compiled_here:
             self.store.save(self._program_name(family, key), executable)
         return self._finish(family, key, executable, seconds, lower_seconds)
 
@@ -480,16 +502,18 @@ class Runner:
         serving never does)."""
         return self.prompt_executables.get(t) or self._build("prompt", t)
 
-    def compile_all(self, progress=None, workers: int | None = None, keys=None) -> float:
+    def compile_all(self, progress=None, workers: int | None = None, keys=None, rows=None, stop=None) -> float:
         """Builds every bucket not built yet (or those of `keys`), and every row program and prompt-logprobs
         program, and returns the wall seconds it took. Programs in the store are loaded first, in `workers`
         threads (on the H200, 16 4B step programs loaded in 12.7 s one after another, 2.7 s in 8 threads). The
         others are traced and lowered here, one after another (they hold the GIL), and XLA's compiles, which
         release it, run in the threads, so start-up scales with the host's cores instead of the bucket count.
         progress(total), if given, returns a bar (`update(n)`, `close()`) advanced as each program is ready,
-        from the start: lowering overlaps the compiles, so the bar moves while programs are still lowered."""
+        from the start: lowering overlaps the compiles, so the bar moves while programs are still lowered.
+        rows: the row programs to build (default: all); stop: an Event that ends the lowering loop when set."""
         start = time.perf_counter()
-        wanted = {"step": self.buckets.keys() if keys is None else keys, "row": self.buckets.row_programs(),
+        wanted = {"step": self.buckets.keys() if keys is None else keys,
+                  "row": self.buckets.row_programs() if rows is None else rows,
                   "prompt": self.buckets.prompt_logprobs_chunk}  # fmt: skip
         jobs = [(family, key) for family, family_keys in wanted.items() for key in family_keys
                 if key not in self._family(family)[1]]  # fmt: skip
@@ -503,6 +527,8 @@ class Runner:
                         bar.update(1)
                 futures = []
                 for family, key in jobs:
+                    if stop is not None and stop.is_set():
+                        break
                     if key in self._family(family)[1]:
                         continue
                     lower_start = time.perf_counter()
@@ -518,6 +544,58 @@ class Runner:
                 bar.close()
         return time.perf_counter() - start
 
+    def compile_ready_set(self, progress=None) -> float:
+        """Builds `Buckets.ready_keys` and their row programs (and every prompt-logprobs program): enough to serve,
+        each plan padded up to a built program (`key_for`). Programs in the store are all loaded too: loading
+        is cheap, and the ones loaded are warmed up with the rest. Returns the wall seconds."""
+        ready = self.buckets.ready_keys()
+        self.pads_up = True
+
+        def stored(family, wanted):
+            return [k for k in wanted if self.store is not None and self.store.has(self._program_name(family, k))]
+
+        keys = list(dict.fromkeys(ready + stored("step", self.buckets.keys())))
+        rows = list(dict.fromkeys(self.buckets.rows_of(ready) + stored("row", self.buckets.row_programs())))
+        return self.compile_all(progress, keys=keys, rows=rows)
+
+    def compile_in_background(self, workers: int = 1) -> threading.Thread:
+        """Builds the rest of the program set in a thread while the engine serves; each program is used as soon as
+        it and its row programs are built. `stop_background` ends it after the program being compiled."""
+
+        def run():
+            seconds = self.compile_all(workers=workers, stop=self._stop_background)
+            self.background_seconds = seconds
+            log.info("built the other programs in the background in %.1fs", seconds)
+
+        self._background = threading.Thread(target=run, name="background-compile", daemon=True)
+        self._background.start()
+        return self._background
+
+    def stop_background(self, timeout: float | None = None) -> None:
+        self._stop_background.set()
+        if self._background is not None:
+            self._background.join(timeout)
+
+    def wait_for_background(self, timeout: float | None = None) -> None:
+        if self._background is not None:
+            self._background.join(timeout)
+
+    def _servable(self, key) -> bool:
+        rows = key[0] + key[1]
+        return key in self.executables and all((kind, rows) in self.row_executables for kind in ROW_PROGRAMS)
+
+    def key_for(self, plan: StepPlan) -> tuple[int, int, int]:
+        """The plan's bucket (`Buckets.key_for`), or after `compile_ready_set`, while the program set is still being
+        built, the smallest built program with the same sides that holds it: decode rows, chunks and chunk tokens
+        all at least the plan's bucket's. Otherwise a missing program is compiled when first launched."""
+        key = self.buckets.key_for(plan)
+        if not self.pads_up or plan.prompt_logprobs or self._servable(key):
+            return key
+        b, p, t = key
+        covers = [k for k in list(self.executables) if (k[0] > 0) == (b > 0) and (k[1] > 0) == (p > 0)
+                  and k[0] >= b and k[1] >= p and k[2] >= t and self._servable(k)]  # fmt: skip
+        return min(covers, key=lambda k: (k[0] + k[1] * k[2], k)) if covers else key
+
     # ---- step costs --------------------------------------------------------------------------------------
     def padding_inputs(self, key) -> StepInputs:
         """Inputs of bucket `key` whose every row is padding (trash slot, trash page), prefill rows full: a
@@ -530,16 +608,28 @@ class Runner:
                               np.zeros((p, w), np.int32))  # fmt: skip
         return StepInputs(decode if b else None, prefill if p else None)
 
-    def warm_up(self) -> float:
-        """Runs every compiled step program once on padding inputs, so that the first requests do not pay a
-        program's first run (on a GPU: loading its kernels and the libraries' first calls). Returns the seconds."""
+    def warm_up(self, keys=None) -> float:
+        """Runs the compiled step programs of `keys` (default: every one not run yet) once on padding inputs, so
+        that the first requests do not pay a program's first run (on a GPU: loading its kernels and the
+        libraries' first calls). Call it from the thread that launches steps: the programs take the caches.
+        Returns the seconds."""
         start = time.perf_counter()
-        for key, executable in list(self.executables.items()):
-            self.cache, self.token_state, outputs, _ = executable(
+        for key in self.unwarmed() if keys is None else keys:
+            self.cache, self.token_state, outputs, _ = self.executables[key](
                 self._param_leaves, self.cache, self.token_state, self.padding_inputs(key)
             )
+            self._warm.add(key)
         jax.block_until_ready((self.cache, self.token_state))
         return time.perf_counter() - start
+
+    def unwarmed(self) -> list[tuple[int, int, int]]:
+        """Built step programs that `warm_up` has not run yet."""
+        return [key for key in list(self.executables) if key not in self._warm]
+
+    @property
+    def building(self) -> bool:
+        """True while `compile_in_background`'s thread runs."""
+        return self._background is not None and self._background.is_alive()
 
     def measure_step_costs(self, keys=None, repeats: int = 5) -> dict[tuple[int, int, int], float]:
         """Device seconds of each compiled step program on padding inputs: what the host sizes overlapped steps
@@ -563,7 +653,7 @@ class Runner:
     # ---- launch ------------------------------------------------------------------------------------------
     def launch(self, plan: StepPlan, sampling: list) -> StepHandle:
         """Dispatch one step; returns at once. `sampling` has one entry per decode row, then per chunk."""
-        key = self.buckets.key_for(plan)
+        key = self.key_for(plan)
         inputs = self.inputs_for(plan, key)
         prompt_outputs = ()
         if plan.prompt_logprobs:

@@ -35,18 +35,20 @@ def test_a_warm_start_loads_every_program_without_lowering_and_gives_the_same_ou
     tiny_model, tmp_path, monkeypatch
 ):
     cache = str(tmp_path / "cache")
-    cold = build_engine(tiny_model, EngineConfig(compile_cache=cache, **UNSEEN))
-    assert cold.runner.store.loaded == 0 and cold.runner.store.saved == program_count(cold.runner) > 10
+    cold = build_engine(tiny_model, EngineConfig(compile_cache=cache, program_store=True, **UNSEEN))
+    # Every step program is XLA's own compile here; row programs of other tests' shapes may come from its cache.
+    assert cold.runner.store.loaded == 0 and cold.runner.store.saved >= cold.runner.num_compiles > 5
     expected = generate(cold, requests())
 
     def no_lowering(*args):
         raise AssertionError("a stored program was lowered again")
 
-    for lower in ("_lower", "_lower_row_program", "_lower_prompt_program"):
-        monkeypatch.setattr(Runner, lower, no_lowering)
-    warm = build_engine(tiny_model, EngineConfig(compile_cache=cache, **UNSEEN))
+    monkeypatch.setattr(Runner, "_lower", no_lowering)
+    warm = build_engine(tiny_model, EngineConfig(compile_cache=cache, program_store=True, **UNSEEN))
     assert warm.runner.store.path == cold.runner.store.path
-    assert warm.runner.store.loaded == program_count(warm.runner) == program_count(cold.runner)
+    assert warm.runner.store.loaded == cold.runner.store.saved and program_count(warm.runner) == program_count(
+        cold.runner
+    )
     assert set(warm.runner.compile_seconds) == set(warm.runner.buckets.keys()) and warm.runner.store.saved == 0
     for got, want in zip(generate(warm, requests()), expected, strict=True):
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
@@ -56,13 +58,13 @@ def test_programs_served_by_xlas_cache_are_not_stored(tiny_model, tmp_path):
     """XLA:CPU cannot serialise a program it loaded from its cache (the copy fails when run): such programs are
     served by the cache again on the next start instead of being stored broken."""
     cache = str(tmp_path / "cache")
-    first = build_engine(tiny_model, EngineConfig(compile_cache=cache, **LIMITS))
+    first = build_engine(tiny_model, EngineConfig(compile_cache=cache, program_store=True, **LIMITS))
     expected = generate(first, requests())
     for stored in first.runner.store.path.iterdir():
         stored.unlink()  # XLA's cache now holds every program, the store none
-    served = build_engine(tiny_model, EngineConfig(compile_cache=cache, **LIMITS))
+    served = build_engine(tiny_model, EngineConfig(compile_cache=cache, program_store=True, **LIMITS))
     assert served.runner.store.saved < program_count(served.runner) // 2
-    again = build_engine(tiny_model, EngineConfig(compile_cache=cache, **LIMITS))
+    again = build_engine(tiny_model, EngineConfig(compile_cache=cache, program_store=True, **LIMITS))
     assert again.runner.store.loaded == served.runner.store.saved
     for got, want in zip(generate(again, requests()), expected, strict=True):
         assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
@@ -70,10 +72,14 @@ def test_programs_served_by_xlas_cache_are_not_stored(tiny_model, tmp_path):
 
 def test_what_changes_a_program_changes_the_store(tiny_model, tmp_path, monkeypatch):
     root = tmp_path / "programs"
-    base = build_engine(tiny_model, EngineConfig(compile_cache=None, **LIMITS), compile_now=False).runner
+    base = build_engine(
+        tiny_model, EngineConfig(compile_cache=None, program_store=True, **LIMITS), compile_now=False
+    ).runner
     path = ProgramStore(root, base.program_identity()).path
     assert ProgramStore(root, base.program_identity()).path == path  # stable across instances
-    wider = build_engine(tiny_model, EngineConfig(compile_cache=None, **{**LIMITS, "max_batch": 4}), False).runner
+    wider = build_engine(
+        tiny_model, EngineConfig(compile_cache=None, program_store=True, **{**LIMITS, "max_batch": 4}), False
+    ).runner
     assert ProgramStore(root, wider.program_identity()).path != path
     monkeypatch.setattr(program_store, "source_digest", lambda: "edited sources")
     assert ProgramStore(root, base.program_identity()).path != path
