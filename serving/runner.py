@@ -563,7 +563,11 @@ class Runner:
         it and its row programs are built. `stop_background` ends it after the program being compiled."""
 
         def run():
-            seconds = self.compile_all(workers=workers, stop=self._stop_background)
+            try:
+                seconds = self.compile_all(workers=workers, stop=self._stop_background)
+            except Exception:  # the ready set still serves every plan, padded
+                log.exception("the background build failed; steps keep padding up to the programs built")
+                return
             self.background_seconds = seconds
             log.info("built the other programs in the background in %.1fs", seconds)
 

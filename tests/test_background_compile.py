@@ -8,9 +8,11 @@ import threading
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from test_engine import Collector, assert_same_greedy, generate, greedy, prompt, sampled
 
 from qwen35_jax.serving.factory import EngineConfig, build_engine
+from qwen35_jax.serving.metrics import ServingMetrics
 from qwen35_jax.serving.runner import Buckets, Runner
 
 LIMITS = dict(max_batch=4, max_prefill_tokens=256, max_model_len=512)  # packed programs (0, 2, 128), (0, 4, 64)
@@ -65,6 +67,10 @@ def test_steps_pad_up_to_the_ready_set_and_match_the_exact_buckets(tiny_model, c
     monkeypatch.setattr(runner, "store", None)  # nothing more may be loaded or compiled while serving
     built = set(runner.executables)
     assert set(runner.buckets.ready_keys()) <= built < set(runner.buckets.keys())
+    gauges = {s.name: s.value for f in text_string_to_metric_families(ServingMetrics(engine).render().decode())
+              for s in f.samples}  # fmt: skip
+    assert gauges["qwen35_jax_programs_built"] < gauges["qwen35_jax_programs_total"] == len(
+        runner.buckets.keys()) + len(runner.buckets.row_programs())  # fmt: skip
     keys = launched_keys(runner, monkeypatch)
     results = generate(engine, workload())
     assert set(runner.executables) == built, "a step compiled a program while serving"

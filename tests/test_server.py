@@ -441,6 +441,9 @@ def test_metrics_parse_and_move(idle_server):
     before = scrape(idle_server)
     for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_ratio", "slot_usage_ratio"):
         assert (f"qwen35_jax_{name}", ()) in before
+    runner = idle_server.engine.runner  # built at start, every program
+    built, total = before[("qwen35_jax_programs_built", ())], before[("qwen35_jax_programs_total", ())]
+    assert built == total == runner.num_compiles + runner.num_row_compiles + runner.num_prompt_compiles > 10
     greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=7, extra_body={"ignore_eos": True})
     after = scrape(idle_server)
 
