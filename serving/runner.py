@@ -2,8 +2,9 @@
 
 One compiled program per bucket key (decode rows B, prefill rows P, chunk tokens T); B = 0 or P = 0 drops
 that side, so decode-only, prefill-only and unified steps come from the same model code. Every program is
-compiled ahead of serving (`compile_all`) and each compile is logged and counted, so a test can assert
-that serving compiled nothing new.
+built before its first step (`compile_all`; or `compile_ready_set`, whose programs every step can pad up to, then
+`compile_in_background` for the rest), and each build is logged and counted, so a test can assert that serving
+compiled nothing new.
 
 Sampled tokens stay on the device: the step writes each row's token into `token_state[slot]`, and the
 next step's decode rows read their input token from there. The host reads the step's outputs one step
