@@ -452,7 +452,9 @@ class Engine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
-        self.runner.stop_background()  # after the program it is compiling, if any
+        # The build stops after the program it is compiling; its thread is a daemon, so a long compile does not
+        # hold shutdown up.
+        self.runner.stop_background(timeout=10.0)
         self._drain_inbox()  # requests submitted but never picked up must be ended too, or their consumers hang
         for request_id in list(self.generations):
             self._finish(request_id, "abort", emit=True, error="engine shut down")
