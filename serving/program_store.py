@@ -1,8 +1,8 @@
 """Compiled programs kept on disk beside XLA's compilation cache, so that a warm start skips tracing and lowering.
 
 JAX's persistent cache is keyed by the lowered program, so even a warm start traces and lowers every program to find
-its entry (a warm 4B server on the H200 was ready in 50 s that way, 13.6 s with this store). This store is keyed by
-what decides
+its entry (0.2-0.7 s of lowering a program for the tiny model on a 2-core CPU). With this store a warm 4B server on
+the H200 was ready in 13.6 s, its 60 programs loaded in 5.6 s. The store is keyed by what decides
 the programs before any tracing: the engine's sources, the JAX build and device, the XLA flags, the model's config,
 dtype and parameter shapes, the kernel set, the cache shapes and the program's own key (`Runner.program_identity`).
 A program found here is deserialised (`jax.experimental.serialize_executable`); any other is compiled and saved,
