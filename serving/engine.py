@@ -412,14 +412,14 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not (self._inbox or self._aborts) and not self._busy():
+                while not self._stopping and self._idle():
                     if self.warm_up_idle and self.runner.unwarmed():
                         break
                     # While programs are built in the background, look again for new ones to warm up.
                     self._wake.wait(timeout=1.0 if self.warm_up_idle and self.runner.building else None)
                 if self._stopping:
                     break
-                idle = not (self._inbox or self._aborts) and not self._busy()
+                idle = self._idle()
             try:
                 if idle:  # a program built in the background: its first run now, not in a request's step
                     self.runner.warm_up(self.runner.unwarmed()[:1])
@@ -439,6 +439,10 @@ class Engine:
 
     def _busy(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
+
+    def _idle(self) -> bool:
+        """Nothing to step: no new request or abort, no scheduled work, no step in flight (hold `_wake`)."""
+        return not (self._inbox or self._aborts) and not self._busy()
 
     def _drain_in_flight(self) -> None:
         if self._in_flight is not None:

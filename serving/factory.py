@@ -159,7 +159,8 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
     )  # fmt: skip
     buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks,
                                  config.prompt_logprobs_chunk, batch_invariant=config.deterministic)  # fmt: skip
-    use_store = jax.default_backend() == "gpu" if config.program_store is None else config.program_store
+    on_gpu = jax.default_backend() == "gpu"
+    use_store = on_gpu if config.program_store is None else config.program_store
     store = str(Path(config.compile_cache) / "programs") if config.compile_cache and use_store else None
     runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
                     config.num_top_logprobs, decode_overlap=config.decode_overlap, program_store=store)  # fmt: skip
@@ -180,20 +181,19 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
             runner.compile_all(progress)
         summed = sum(runner.compile_seconds.values()) + sum(runner.row_compile_seconds.values())
         summed += sum(runner.prompt_compile_seconds.values())
-        if jax.default_backend() == "gpu":
+        if on_gpu:
             log.info("ran every step program once in %.1fs", runner.warm_up())
         loaded = f"; {runner.store.loaded} loaded from {runner.store.path}" if runner.store else ""
         log.info("built %d step programs, %d row programs and %d prompt-logprobs programs in %.1fs (wall; %.1fs "
                  "summed over programs%s)", runner.num_compiles, runner.num_row_compiles, runner.num_prompt_compiles,
                  time.perf_counter() - start, summed, loaded)  # fmt: skip
         if config.background_compile:
-            missing = len(buckets.keys()) - runner.num_compiles
-            missing += len(buckets.row_programs()) - runner.num_row_compiles
+            missing = runner.programs_total() - runner.programs_built()
             if missing:
                 log.info("building the other %d programs in the background; until then steps pad up", missing)
                 runner.compile_in_background(workers=max(1, (os.cpu_count() or 1) // 4))
     engine = Engine(runner, scheduler, model.tokenizer, model.config.eos_token_ids)
-    engine.warm_up_idle = jax.default_backend() == "gpu"
+    engine.warm_up_idle = on_gpu
     return engine
 
 

@@ -35,15 +35,8 @@ class _EngineCollector(Collector):
     def __init__(self, engine):
         self.engine = engine
 
-    def _programs(self, built: bool) -> int:
-        runner = self.engine.runner
-        if built:
-            return runner.num_compiles + runner.num_row_compiles + runner.num_prompt_compiles
-        buckets = runner.buckets
-        return len(buckets.keys()) + len(buckets.row_programs()) + len(buckets.prompt_logprobs_chunk)
-
     def collect(self):
-        scheduler = self.engine.scheduler
+        scheduler, runner = self.engine.scheduler, self.engine.runner
         pages, slots = scheduler.page_pool, scheduler.slot_pool
         values = [
             ("num_requests_waiting", "Requests queued for admission.", scheduler.num_waiting),
@@ -55,9 +48,9 @@ class _EngineCollector(Collector):
             ("slots_free", "Free GDN state slots.", slots.num_free),
             ("slots_total", "Allocatable GDN state slots.", slots.num_total),
             ("programs_built", "Compiled programs ready to run (below programs_total while --background-compile "
-             "builds the rest; steps pad up meanwhile).", self._programs(built=True)),
+             "builds the rest; steps pad up meanwhile).", runner.programs_built()),
             ("programs_total", "Programs of the engine's bucket set: step, row and prompt-logprobs programs.",
-             self._programs(built=False)),
+             runner.programs_total()),
         ]  # fmt: skip
         for name, documentation, value in values:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=float(value))

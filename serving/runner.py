@@ -354,6 +354,15 @@ class Runner:
         """Prompt-logprobs step programs compiled."""
         return len(self.prompt_compile_seconds)
 
+    def programs_built(self) -> int:
+        """Step, row and prompt-logprobs programs built (compiled or loaded)."""
+        return self.num_compiles + self.num_row_compiles + self.num_prompt_compiles
+
+    def programs_total(self) -> int:
+        """Programs of the bucket set: what `compile_all` builds."""
+        buckets = self.buckets
+        return len(buckets.keys()) + len(buckets.row_programs()) + len(buckets.prompt_logprobs_chunk)
+
     # ---- inputs ------------------------------------------------------------------------------------------
     def _page_table(self, rows: list[tuple[int, ...]], pad_to: int) -> np.ndarray:
         table = np.full((pad_to, self.page_table_width), TRASH_PAGE, np.int32)
@@ -459,6 +468,9 @@ class Runner:
             log.info("%s program %s %s in %.2fs", family, key, how, seconds)
         return executable
 
+    def _stored(self, family: str, key) -> bool:
+        return self.store is not None and self.store.has(self._program_name(family, key))
+
     def _load(self, family: str, key) -> object | None:
         """The program from the store, registered, or None."""
         if self.store is None:
@@ -522,7 +534,7 @@ class Runner:
         bar = progress(len(jobs)) if progress is not None else None
         try:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="compile") as pool:
-                stored = [job for job in jobs if self.store is not None and self.store.has(self._program_name(*job))]
+                stored = [job for job in jobs if self._stored(*job)]
                 for loaded in pool.map(lambda job: self._load(*job), stored):
                     if loaded is not None and bar is not None:
                         bar.update(1)
@@ -551,12 +563,9 @@ class Runner:
         is cheap, and the ones loaded are warmed up with the rest. Returns the wall seconds."""
         ready = self.buckets.ready_keys()
         self.pads_up = True
-
-        def stored(family, wanted):
-            return [k for k in wanted if self.store is not None and self.store.has(self._program_name(family, k))]
-
-        keys = list(dict.fromkeys(ready + stored("step", self.buckets.keys())))
-        rows = list(dict.fromkeys(self.buckets.rows_of(ready) + stored("row", self.buckets.row_programs())))
+        keys = list(dict.fromkeys(ready + [k for k in self.buckets.keys() if self._stored("step", k)]))
+        rows = self.buckets.rows_of(ready) + [k for k in self.buckets.row_programs() if self._stored("row", k)]
+        rows = list(dict.fromkeys(rows))
         return self.compile_all(progress, keys=keys, rows=rows)
 
     def compile_in_background(self, workers: int = 1) -> threading.Thread:
@@ -620,12 +629,16 @@ class Runner:
         Returns the seconds."""
         start = time.perf_counter()
         for key in self.unwarmed() if keys is None else keys:
-            self.cache, self.token_state, outputs, _ = self.executables[key](
-                self._param_leaves, self.cache, self.token_state, self.padding_inputs(key)
-            )
-            self._warm.add(key)
+            self._run_on_padding(key, self.executables[key], self.padding_inputs(key))
         jax.block_until_ready((self.cache, self.token_state))
         return time.perf_counter() - start
+
+    def _run_on_padding(self, key, executable, inputs: StepInputs):
+        """One run of step program `key` on `padding_inputs(key)` (it writes nothing a request reads); it counts as
+        the program's warm-up. Returns its token outputs."""
+        self.cache, self.token_state, outputs, _ = executable(self._param_leaves, self.cache, self.token_state, inputs)
+        self._warm.add(key)
+        return outputs
 
     def unwarmed(self) -> list[tuple[int, int, int]]:
         """Built step programs that `warm_up` has not run yet."""
@@ -648,9 +661,7 @@ class Runner:
             for runs in (1, repeats):
                 start = time.perf_counter()
                 for _ in range(runs):
-                    self.cache, self.token_state, outputs, _ = executable(
-                        self._param_leaves, self.cache, self.token_state, inputs
-                    )
+                    outputs = self._run_on_padding(key, executable, inputs)
                 jax.block_until_ready(outputs)
             costs[key] = (time.perf_counter() - start) / repeats
         return costs
