@@ -62,17 +62,6 @@ _PALLAS = (
 # the Mixers value, so these must be the same objects every time.
 PALLAS = Mixers("pallas", *(jax.jit(f) for f in _PALLAS))
 PALLAS_INTERPRET = Mixers("pallas-interpret", *(jax.jit(functools.partial(f, interpret=True)) for f in _PALLAS))
-# The same kernels bare, for the stream regions of an overlapped step (model.on_stream): a nested jit inside a
-# region fails at run time. The weight products run outside the regions and keep their jit.
-PALLAS_REGIONS = PALLAS._replace(name="pallas-regions", **dict(zip(Mixers._fields[1:-1], _PALLAS[:-1], strict=True)))
-
-
-def region_mixers(kernels: Mixers) -> Mixers:
-    """The set whose token mixers can run inside a stream region: the bare Pallas kernels for `pallas`. The
-    references call jitted jnp helpers, so no region can hold them (the flags refuse `ref` with `stream` on a GPU)."""
-    if kernels is PALLAS:
-        return PALLAS_REGIONS
-    raise ValueError(f"the {kernels.name!r} kernels cannot run inside a GPU stream region; use --kernels pallas")
 
 
 def mixers(name: str, interpret: bool = False) -> Mixers:

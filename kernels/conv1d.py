@@ -138,9 +138,8 @@ def _update_pool_kernel(layer_ref, slots_ref, x_ref, weight_ref, pool_ref, y_ref
 
 def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret=False,
                                      tuning: ConvUpdateTuning = CONV_UPDATE_TUNING):  # fmt: skip
-    """Pallas version of `causal_conv1d_update_pool_ref` (module notes, in-pool update). Not jitted, and lax
-    primitives only around the pallas_call: the model may call it inside stream-annotated regions, where a nested
-    jit fails."""
+    """Pallas version of `causal_conv1d_update_pool_ref` (module notes, in-pool update). Not jitted: the kernel
+    set jits it once (kernels.PALLAS)."""
     batch, channels = x.shape
     taps = weight.shape[1]
     assert pool.shape[2:] == (taps - 1, channels), (pool.shape, weight.shape)

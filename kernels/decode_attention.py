@@ -126,8 +126,7 @@ def normalise(o, l):
 
 
 def pad_to(x, shape):
-    """Zero-pad x at the end of each axis up to `shape`. lax primitives only, here and in `merge_splits`: the
-    wrappers may run inside a stream-annotated region, where nested jits (jnp.pad, jnp.where) fail."""
+    """Zero-pad x at the end of each axis up to `shape`."""
     return lax.pad(x, jnp.zeros((), x.dtype), [(0, n - d, 0) for d, n in zip(x.shape, shape, strict=True)])
 
 

@@ -156,8 +156,7 @@ def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_r
 def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, trash_slot="last", *, interpret=False,
                            tuning: GdnDecodeTuning = GDN_DECODE_TUNING):  # fmt: skip
     """Pallas version of `gdn_decode_pool_ref` (same arguments and result; module notes for the aliasing and
-    the trash slot). Not jitted, and lax primitives only around the pallas_call, like the attention wrappers:
-    the model may call it inside stream-annotated regions, where a nested jit fails."""
+    the trash slot). Not jitted: the kernel set jits it once (kernels.PALLAS)."""
     _, num_value_heads, dv = v.shape
     assert pool.dtype == jnp.float32 and pool.shape[2:] == (num_value_heads, q.shape[-1], dv), (pool.shape, pool.dtype)
     grid, (key_spec, value_spec, head_spec) = _tiling(q, v, tuning.block_dv)

@@ -444,8 +444,6 @@ def gdn_chunked_prefill_pallas(q, k, v, g, beta, state, lengths, *, interpret=Fa
     tuning: the tiles of the three pallas_calls; None takes `gdn_prefill_tuning` for the call's rows and heads.
     The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.
     dk and dv must be powers of two >= 16 (Triton tiles); T any length (padded to a multiple of 64 inside).
-    Lax primitives only around the pallas_calls (no jnp.pad or jnp.clip, which are jitted): the model may call it
-    inside stream-annotated regions, where a nested jit fails.
     """
     num_rows, seq, num_heads, dv = v.shape
     dk = q.shape[-1]

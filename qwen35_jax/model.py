@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax.experimental.compute_on import compute_on
 
 from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
@@ -53,21 +52,6 @@ def fused_parts(cfg: Qwen35Config) -> dict[str, tuple[tuple[str, int], ...]]:
 # The fused projections split above FUSED_QKV_MAX_ROWS: the layers' input projections (the MLP's gate/up stays one
 # product at every size).
 INPUT_PROJECTIONS = ("in_proj", "qkv_proj")
-
-
-# The GPU streams of an overlapped step's two sides (`--decode-overlap stream`); 0 is the program's own stream.
-DECODE_STREAM, PREFILL_STREAM = 1, 2
-
-
-def on_stream(fn, stream: int | None):
-    """fn as a region of the program on GPU stream `stream` (XLA's stream annotation), or fn itself for None.
-
-    A region must be built from primitives and bare Pallas calls: a nested jax.jit inside one fails at run time
-    ("No ExecutionStreamId found"), so the mixers it calls come from `kernels.region_mixers`. Its arguments are
-    passed explicitly, never closed over, and its outputs live in device memory."""
-    if stream is None:
-        return fn
-    return compute_on(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=jax.memory.Space.Device)
 
 
 def _param(shape, dtype) -> nnx.Param:
@@ -168,12 +152,6 @@ class StepContext:
     sin: jax.Array  # [N, rotary_dim]
     kv_page: jax.Array  # [N] page each token's K/V goes to (padding: trash page 0)
     kv_offset: jax.Array  # [N] offset inside that page
-    # The two sides' mixers run on their own GPU streams (an overlapped step with both sides present).
-    streams: bool = False
-
-    def stream(self, side: int) -> int | None:
-        """The stream a side's mixers run on, or None for the program's own stream."""
-        return side if self.streams else None
 
     def split(self, x: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
         """Flat token rows [N, ...] -> (decode [B, ...] or None, prefill [P, T, ...] or None)."""
@@ -215,7 +193,6 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(cfg.gdn_value_dim, cfg.hidden_size, dtype)
 
     def _split_qkv(self, mixed):
-        # lax slices, not jnp.split: this runs inside stream regions.
         cfg = self.cfg
         key_dim, axis = cfg.gdn_key_dim, mixed.ndim - 1
         q, k, v = (lax.slice_in_dim(mixed, lo, hi, axis=axis)
@@ -228,44 +205,17 @@ class GatedDeltaNet(nnx.Module):
     def _decode(self, ctx, mixed, g, beta, pools, layer):
         """The decode rows' conv and recurrent states are updated where they live, in the slot pools: one read
         and one write of each (gathering them into the step and scattering them back took three)."""
-
-        def mix(mixed, weight, g, beta, ssm_pool, conv_pool, layer, slots):
-            mixed, conv_pool = ctx.mixers.conv_update(mixed, weight, conv_pool, layer, slots)
-            q, k, v = self._split_qkv(mixed)
-            out, ssm_pool = ctx.mixers.gdn_decode(q, k, v, g, beta, ssm_pool, layer, slots)
-            return out, ssm_pool, conv_pool
-
-        weight = self.conv1d.weight[...][:, 0, :]
-        slots, stream = ctx.inputs.decode.slots, ctx.stream(DECODE_STREAM)
-        if stream is None:
-            out, ssm_pool, conv_pool = mix(mixed, weight, g, beta, pools.ssm, pools.conv, layer, slots)
-        else:
-            # A region's outputs are new buffers: a whole pool passed through one is copied, every layer. So the
-            # region gets the rows' states alone, as a pool of one layer, and they are scattered back outside it.
-            # That pool ends with a copy of the trash slot, where the padding rows point, as they do in the pools.
-            trash = pools.ssm.shape[1] - 1
-            taken = jnp.concatenate([slots, jnp.full((1,), trash, slots.dtype)])
-            rows = jnp.arange(slots.shape[0], dtype=jnp.int32)
-            rows = jnp.where(slots == trash, slots.shape[0], rows)
-            out, ssm_rows, conv_rows = on_stream(mix, stream)(
-                mixed, weight, g, beta, pools.ssm[layer, taken][None], pools.conv[layer, taken][None],
-                jnp.zeros((), jnp.int32), rows,
-            )  # fmt: skip
-            ssm_pool = pools.ssm.at[layer, slots].set(ssm_rows[0, rows])
-            conv_pool = pools.conv.at[layer, slots].set(conv_rows[0, rows])
+        slots, weight = ctx.inputs.decode.slots, self.conv1d.weight[...][:, 0, :]
+        mixed, conv_pool = ctx.mixers.conv_update(mixed, weight, pools.conv, layer, slots)
+        q, k, v = self._split_qkv(mixed)
+        out, ssm_pool = ctx.mixers.gdn_decode(q, k, v, g, beta, pools.ssm, layer, slots)
         return out, dataclasses.replace(pools, ssm=ssm_pool, conv=conv_pool)
 
     def _prefill(self, ctx, mixed, g, beta, state: GdnState):
-        def mix(mixed, weight, g, beta, ssm, conv, lengths):
-            mixed, conv = ctx.mixers.conv_prefill(mixed, weight, conv, lengths)
-            q, k, v = self._split_qkv(mixed)
-            out, ssm = ctx.mixers.gdn_prefill(q, k, v, g, beta, ssm, lengths)
-            return out, ssm, conv
-
-        weight = self.conv1d.weight[...][:, 0, :]
-        out, ssm, conv = on_stream(mix, ctx.stream(PREFILL_STREAM))(
-            mixed, weight, g, beta, state.ssm, state.conv, ctx.inputs.prefill.lengths
-        )
+        mixed, conv = ctx.mixers.conv_prefill(mixed, self.conv1d.weight[...][:, 0, :], state.conv,
+                                              ctx.inputs.prefill.lengths)  # fmt: skip
+        q, k, v = self._split_qkv(mixed)
+        out, ssm = ctx.mixers.gdn_prefill(q, k, v, g, beta, state.ssm, ctx.inputs.prefill.lengths)
         return out, GdnState(ssm, conv)
 
     def __call__(self, x, state: GdnState | None, ctx: StepContext, pools: KVPages, layer):
@@ -342,15 +292,12 @@ class Attention(nnx.Module):
         out_d = out_p = None
         if q_d is not None:
             side = ctx.inputs.decode
-            out_d = on_stream(ctx.mixers.decode_attention, ctx.stream(DECODE_STREAM))(
-                q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1
-            )
+            out_d = ctx.mixers.decode_attention(q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1)
         if q_p is not None:
             side = ctx.inputs.prefill
             (_, k_p), (_, v_p) = ctx.split(k), ctx.split(v)  # the chunk's own keys, as projected (also paged now)
-            out_p = on_stream(ctx.mixers.prefill_attention, ctx.stream(PREFILL_STREAM))(
-                q_p, k_p, v_p, k_pages, v_pages, layer, side.page_table, side.start, side.lengths
-            )
+            out_p = ctx.mixers.prefill_attention(q_p, k_p, v_p, k_pages, v_pages, layer, side.page_table, side.start,
+                                                 side.lengths)  # fmt: skip
         out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
         out = (out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)
         return self.o_proj(out, ctx.mixers.linear), dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
@@ -504,20 +451,18 @@ def forward(
     inputs: StepInputs,
     mixers: Mixers,
     all_prefill_logits=False,
-    streams=False,
 ) -> tuple[jax.Array, Cache]:
     """One step. Returns fp32 logits [B + P, vocab] (decode rows first, then each prefill row's last
     token; or [B + P*T, vocab] with all_prefill_logits) and the updated cache.
 
-    streams: in a step with both sides, each layer's decode-side mixers run on DECODE_STREAM and its
-    prefill-side mixers on PREFILL_STREAM (GPU only; `mixers` must then be region-safe). The dense layers stay
-    on the program's stream over the rows of both sides, so each weight is still read once."""
+    In a step with both sides, the dense layers run once over the rows of both, so each weight is read once; the
+    token mixers run per side, and no side's mixers read the other's outputs, so a concurrent command buffer
+    (`--decode-overlap stream`, serving/runner.py) can run the two sides' mixers at once."""
     top = nnx.merge(model.top, params["top"])
     cfg = model.cfg
     cos, sin = rope_tables(_flat(inputs, "positions"), cfg, model.dtype)
     kv_page, kv_offset = _kv_destinations(inputs, cache.page_size)
-    both_sides = inputs.decode is not None and inputs.prefill is not None
-    ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset, streams=streams and both_sides)
+    ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset)
     h = top.embed(_flat(inputs, "tokens"))
     has_decode = inputs.decode is not None
     states = _gather_prefill_states(cache, inputs, cfg)

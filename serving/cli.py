@@ -155,12 +155,6 @@ def validate_serve(args):
         raise FlagError("--served-model-name must not be empty")
     cfg = model_config(args.model)
     config = engine_config(args, cfg.max_position_embeddings)
-    from qwen35_jax.serving.factory import check_overlap
-
-    try:
-        check_overlap(config.decode_overlap, args.kernels)
-    except ValueError as err:
-        raise FlagError(str(err)) from None
     if config.max_model_len > cfg.max_position_embeddings:
         raise FlagError(f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings "
                         f"({cfg.max_position_embeddings})")  # fmt: skip

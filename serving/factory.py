@@ -106,16 +106,6 @@ class EngineConfig:
                 raise ValueError(message)
 
 
-def check_overlap(decode_overlap: str, kernels: str, platform: str | None = None) -> None:
-    """Raises ValueError naming both flags for a combination that cannot run: on a GPU the stream regions
-    must hold bare Pallas kernels, and the pure-JAX references call jitted helpers that no region can hold."""
-    if decode_overlap == "stream" and kernels == "ref" and (platform or jax.default_backend()) == "gpu":
-        raise ValueError(
-            "--decode-overlap stream needs --kernels pallas on a GPU: the references call jitted jnp helpers, "
-            "which cannot run inside a GPU stream region"
-        )
-
-
 def enable_compile_cache(path: str | None) -> None:
     if not path:
         return
@@ -199,7 +189,7 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
 
 def compile_overlapped(runner: Runner, bound: float, progress=None) -> OverlapBudget:
     """Under stream, a step with decode rows carries at most the budget's chunk, so the unified programs past it
-    are never run. They are also the costliest to build (each stream region lowers its kernels on its own). So
+    are never run, and they are the most numerous programs. So
     the decode-only and prefill-only programs are compiled first (with the row and prompt-logprobs programs);
     then the unified programs one chunk bucket at a time, from the smallest, each wave measured, and a decode
     bucket stops at its first chunk past the bound. Returns the budget sized from the measured costs; logs it."""

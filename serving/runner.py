@@ -39,7 +39,7 @@ import numpy as np
 
 from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
 from qwen35_jax.cache import CacheSpec, new_cache
-from qwen35_jax.kernels import Mixers, chunk_attention, region_mixers
+from qwen35_jax.kernels import Mixers, chunk_attention
 from qwen35_jax.model import ModelDef, forward
 from qwen35_jax.sampling import MAX_LOGIT_BIAS
 from qwen35_jax.serving.device_sampling import (
@@ -67,6 +67,16 @@ MAX_COMPILE_WORKERS = 8  # XLA compiles in parallel threads; more than 8 mostly 
 # through an fp32 copy of the lm_head (2.4 GiB of scratch, 4.41 against 3.16 ms). So do prefill-only programs,
 # where it won (0, 1, 256: 7.91-7.95 against 8.77-9.19 ms).
 PINNED_GEMMS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+# `--decode-overlap stream` on a GPU: the unified programs' command buffer (the CUDA graph in which XLA runs a
+# program's kernels) is built concurrent, each kernel waiting only for the kernels whose buffers it reads or
+# overwrites, so the graph's independent branches run on separate streams: the decode side's mixers beside the
+# prefill side's, whose inputs and outputs are disjoint. XLA's default serialises the graph in program order. On the
+# H200 at 4B the unified (16, 1, 256) took 7.55 ms concurrent against 8.29 ms serialised, and its two sides run as
+# separate programs 10.77 ms (docs/overlap.md). Annotating each side's mixers as a stream region
+# (`jax.experimental.compute_on`) ran them on two streams only with command buffers off or concurrent, and was
+# slower either way (9.25-10.4 ms): every region breaks the program's command buffer, and the decode side's slot
+# states had to be gathered into the region and scattered back.
+CONCURRENT_GRAPH = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 # The smallest chunk bucket beside decode rows. Up to a few hundred rows, the dense layers read every weight
 # once whatever the row count (they are memory-bound), and the GDN prefill works in 64-token chunks, so a
 # shorter chunk padded to 64 costs the same step time and each decode bucket needs fewer unified programs.
@@ -181,8 +191,8 @@ MARK_PROMPT = "mark_prompt"  # one program: its shapes are the step's largest pr
 COPY_PREFIX = "copy_prefix"  # one program: a prompt prefix's caches from one request to another (StateCopy)
 
 
-def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, streams: bool, param_leaves, *args):
-    return engine_step(model, mixer_set, jax.tree.unflatten(treedef, param_leaves), *args, streams=streams)
+def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, param_leaves, *args):
+    return engine_step(model, mixer_set, jax.tree.unflatten(treedef, param_leaves), *args)
 
 
 def _prompt_step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, num_top: int, param_leaves, *args):
@@ -202,10 +212,9 @@ def prompt_logprobs_step(model: ModelDef, mixer_set: Mixers, num_top: int, param
     return cache, token_state, (tokens, chosen), last, prompt_token_logprobs(logits, targets, num_top)
 
 
-def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, inputs, streams=False):
+def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, inputs):
     """forward + greedy tokens; decode tokens come from token_state, the chosen tokens go back into it.
-    Returns (cache, token_state, (tokens, their logprobs), logits for the row programs). streams: the two
-    sides' mixers on their own GPU streams (`forward`)."""
+    Returns (cache, token_state, (tokens, their logprobs), logits for the row programs)."""
     slots = []
     if inputs.decode is not None:
         inputs = dataclasses.replace(
@@ -214,7 +223,7 @@ def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, 
         slots.append(inputs.decode.slots)
     if inputs.prefill is not None:
         slots.append(inputs.prefill.slots)
-    logits, cache = forward(model, params, cache, inputs, mixer_set, streams=streams)
+    logits, cache = forward(model, params, cache, inputs, mixer_set)
     tokens, chosen = greedy(logits)
     token_state = token_state.at[jnp.concatenate(slots)].set(tokens)
     return cache, token_state, (tokens, chosen), logits
@@ -281,9 +290,10 @@ class StepHandle:
         return tuple(np.asarray(x) for x in self.prompt_outputs)
 
 
-def annotates_streams(decode_overlap: str, platform: str | None = None) -> bool:
-    """True when the unified programs carry stream regions: `stream` on a GPU. Elsewhere `stream` runs the same
-    programs without the annotations (one stream is all a CPU has), so its scheduling is tested anywhere."""
+def overlaps_sides(decode_overlap: str, platform: str | None = None) -> bool:
+    """True when the unified programs run the two sides' mixers at once (CONCURRENT_GRAPH): `stream` on a GPU.
+    Elsewhere `stream` compiles `off`'s programs (XLA:CPU has no command buffers), so its scheduling is tested
+    anywhere."""
     return decode_overlap == "stream" and (platform or jax.default_backend()) == "gpu"
 
 
@@ -291,9 +301,7 @@ class Runner:
     def __init__(self, model_def: ModelDef, params, mixer_set: Mixers, spec: CacheSpec, buckets: Buckets,
                  max_model_len: int, num_top_logprobs: int = 20, decode_overlap: str = "off",
                  program_store: str | None = None):  # fmt: skip
-        self.streams = annotates_streams(decode_overlap)
-        if self.streams:
-            mixer_set = region_mixers(mixer_set)
+        self.overlaps = overlaps_sides(decode_overlap)
         self.model_def, self.params, self.mixers = model_def, params, mixer_set
         self.spec, self.buckets = spec, buckets
         self.page_table_width = -(-max_model_len // spec.page_size)
@@ -319,9 +327,7 @@ class Runner:
         # The programs take the weights as a flat list: flattening the nnx tree runs Python per variable, which
         # at 4B with per-group weights (426 arrays) cost ~0.35 ms of host time per step.
         self._param_leaves, treedef = jax.tree.flatten(params)
-        # Only programs with both sides differ under `streams` (model.forward), so one jit serves every key.
-        self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set, self.streams),
-                               donate_argnums=(1, 2))  # fmt: skip
+        self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set), donate_argnums=(1, 2))
         self._prompt_jitted = jax.jit(partial(_prompt_step_on_leaves, treedef, model_def, mixer_set, num_top_logprobs),
                                       donate_argnums=(1, 2))  # fmt: skip
         self._row_jitted = {"sample": jax.jit(sampler_step, donate_argnums=(2, 3)),
@@ -434,16 +440,19 @@ class Runner:
     def program_identity(self) -> str:
         """What decides every program besides its key: the model, kernels, shapes and limits (ProgramStore)."""
         params = jax.tree.map(lambda x: (x.shape, str(x.dtype)), self.params)
-        return "\n".join(map(repr, (self.model_def.cfg, str(self.model_def.dtype), self.mixers.name, self.streams,
+        return "\n".join(map(repr, (self.model_def.cfg, str(self.model_def.dtype), self.mixers.name, self.overlaps,
                                      self.num_top, self.page_table_width, self.spec, self.buckets,
                                      jax.tree.structure(self.params), jax.tree.leaves(params))))  # fmt: skip
 
     def compiler_options(self, family: str, key) -> dict | None:
         """XLA options of one program: on a GPU, step programs with decode rows and two logit rows or more take
-        PINNED_GEMMS."""
+        PINNED_GEMMS, and under `stream` the unified ones CONCURRENT_GRAPH."""
+        options = {}
         if family == "step" and key[0] and key[0] + key[1] >= 2 and jax.default_backend() == "gpu":
-            return PINNED_GEMMS
-        return None
+            options |= PINNED_GEMMS
+        if family == "step" and key[0] and key[1] and self.overlaps:
+            options |= CONCURRENT_GRAPH
+        return options or None
 
     def _family(self, family: str):
         """(lower, executables, compile seconds) of a program family: step, row or prompt (-logprobs)."""

@@ -1,6 +1,6 @@
 """`--decode-overlap stream` on the CPU with the tiny fp32 model: the scheduling it changes, end to end.
 
-On a CPU `stream` compiles the programs of `off` (no stream annotations: `runner.annotates_streams`), so what
+On a CPU `stream` compiles the programs of `off` (XLA:CPU has no command buffers: `runner.overlaps_sides`), so what
 differs is the host: a chunk beside decode rows is capped by `scheduler.overlap_budget`, `auto` does not defer
 prefill for a finishing decoder, plans are named `overlap_launch` / `overlap_decode`, and the engine blocks on an
 in-flight overlapped step when its last decoder retires (`overlap_wait`). The tests check that the same plans give
@@ -26,14 +26,15 @@ import logging
 import re
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 from test_engine import Collector, StepSpy, assert_same_greedy, greedy, prompt, sampled
 
 from qwen35_jax.serving.engine import TokenLogprob
-from qwen35_jax.serving.factory import EngineConfig, check_overlap, compile_overlapped
-from qwen35_jax.serving.runner import Buckets, StepHandle, annotates_streams
+from qwen35_jax.serving.factory import EngineConfig, compile_overlapped
+from qwen35_jax.serving.runner import CONCURRENT_GRAPH, PINNED_GEMMS, Buckets, Runner, StepHandle, overlaps_sides
 from qwen35_jax.serving.scheduler import OverlapBudget
 
 LIMITS = dict(max_batch=4, max_prefill_tokens=64, max_model_len=512)  # test_engine's `engine`: shared programs
@@ -224,42 +225,17 @@ def test_stream_compiles_unified_programs_up_to_the_first_chunk_past_the_bound()
 
 def test_stream_on_the_cpu_runs_the_off_programs_with_a_measured_budget(stream_build, off_engine):
     """build_engine measures a compiled stream engine and sizes an overlap budget per decode bucket; on the CPU
-    the stream runner carries no stream regions, so its programs are off's."""
+    the stream runner compiles no concurrent command buffers, so its programs are off's."""
     engine = stream_build.engine
     assert stream_build.measured is not None and [rows for rows, _ in stream_build.measured.limits] == [1, 2, 4]
     assert all(tokens in (16, 32, 64) for _, tokens in stream_build.measured.limits)  # a chunk bucket each
     assert off_engine.scheduler.overlap_budget is None
-    assert not engine.runner.streams and not annotates_streams("stream", "cpu")
-    assert annotates_streams("stream", "gpu") and not annotates_streams("off", "gpu")
+    assert not engine.runner.overlaps and not overlaps_sides("stream", "cpu")
+    assert overlaps_sides("stream", "gpu") and not overlaps_sides("off", "gpu")
     assert set(engine.runner.executables) == set(off_engine.runner.executables)
 
 
 # ---- same plans, same bits; own plans, same greedy tokens ---------------------------------------------
-
-
-def test_the_region_side_of_the_decode_mixers_computes_what_the_pool_side_does(
-    engines, tiny_model, stream_engine, monkeypatch
-):
-    """On a GPU the decode-side GDN mixers of a stream program get the rows' states gathered out of the pools
-    and scattered back, instead of the pools in place. Here the annotations are turned into plain calls, so the
-    same program code runs on the CPU: replayed plans must give off's bits, with each request's states intact."""
-    import qwen35_jax.model as model_module
-    import qwen35_jax.serving.runner as runner_module
-
-    requests = mixed_requests(8, seed=5, sampled_every=4)
-    recorder = LaunchRecorder(stream_engine.runner, monkeypatch)
-    generate(stream_engine, requests)
-    assert any(plan.action == "overlap_launch" for plan in recorder.plans)
-    monkeypatch.setattr(runner_module, "annotates_streams", lambda *args: True)
-    monkeypatch.setattr(runner_module, "region_mixers", lambda mixers: mixers)
-    monkeypatch.setattr(model_module, "on_stream", lambda fn, stream: fn)
-    regions = engines.build(tiny_model, compile_now=False, decode_overlap="stream", **LIMITS)
-    try:
-        assert regions.runner.streams
-        logprobs = {plan_row.request_id: 0 for plan, _, _ in recorder.steps for plan_row in plan.prefill}
-        replay(regions.runner, recorder.steps, logprobs)
-    finally:
-        engines.release(regions)
 
 
 def test_stream_plans_replayed_through_off_give_the_same_bits(stream_engine, off_engine, monkeypatch):
@@ -559,15 +535,17 @@ def test_auto_under_stream_keeps_prefilling_beside_a_finishing_decoder(stream_en
 # ---- flags ------------------------------------------------------------------------------------------
 
 
-def test_check_overlap_refuses_stream_with_ref_kernels_on_a_gpu_only():
-    with pytest.raises(ValueError) as refused:
-        check_overlap("stream", "ref", platform="gpu")
-    assert "--decode-overlap" in str(refused.value) and "--kernels" in str(refused.value)
-    check_overlap("stream", "ref", platform="cpu")
-    check_overlap("stream", "pallas", platform="gpu")
-    for platform in ("cpu", "gpu"):
-        for kernels in ("ref", "pallas"):
-            check_overlap("off", kernels, platform=platform)
+def test_only_the_unified_programs_of_an_overlapping_runner_get_a_concurrent_command_buffer():
+    """The programs with both sides, and only those, are compiled concurrent under `stream` on a GPU; `off` and
+    the one-sided programs keep XLA's serialised command buffer, so the A/B of the two modes differs only there."""
+    overlapping, serial = types.SimpleNamespace(overlaps=True), types.SimpleNamespace(overlaps=False)
+    for key in [(16, 1, 256), (1, 1, 64)]:
+        assert CONCURRENT_GRAPH.items() <= (Runner.compiler_options(overlapping, "step", key) or {}).items()
+        assert not CONCURRENT_GRAPH.keys() & (Runner.compiler_options(serial, "step", key) or {}).keys()
+    for key in [(16, 0, 0), (0, 1, 256), (0, 4, 128)]:
+        assert not CONCURRENT_GRAPH.keys() & (Runner.compiler_options(overlapping, "step", key) or {}).keys()
+    assert Runner.compiler_options(overlapping, "row", ("sample", 17)) is None
+    assert not CONCURRENT_GRAPH.keys() & PINNED_GEMMS.keys()
 
 
 @pytest.mark.parametrize("bound", [0.5, 0.999, "3", True])

@@ -17,7 +17,7 @@ def main() -> None:
     from qwen35_jax.roofline import BF16_FLOPS_PER_S
     from qwen35_jax.serving.factory import enable_compile_cache
     from qwen35_jax.serving.offline_bench import prefill_floor_flops
-    from qwen35_jax.serving.runner import Buckets, Runner
+    from qwen35_jax.serving.runner import CONCURRENT_GRAPH, Buckets, Runner
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="4b")
@@ -31,9 +31,18 @@ def main() -> None:
         action="store_true",
         help="XLA's autotuned GEMMs in every program (the runner pins cuBLAS's for decode rows)",
     )
+    parser.add_argument("--decode-overlap", default="off", choices=("off", "stream"))
+    parser.add_argument(
+        "--concurrent-graph",
+        action="store_true",
+        help="every program's command buffer concurrent (the runner makes only stream's unified ones so)",
+    )
     args = parser.parse_args()
     if args.autotuned_gemms:
         Runner.compiler_options = lambda self, family, key: None
+    if args.concurrent_graph:
+        plain = Runner.compiler_options
+        Runner.compiler_options = lambda self, family, key: {**(plain(self, family, key) or {}), **CONCURRENT_GRAPH}
     enable_compile_cache(args.compile_cache)
     keys = [tuple(int(x) for x in k.split(",")) for k in args.keys]
     model = load_model(args.model, dtype="bfloat16", kernels=args.kernels)
@@ -41,7 +50,9 @@ def main() -> None:
                       prefill_rows=tuple(sorted({k[1] for k in keys if k[1]})) or (1,),
                       chunk=tuple(sorted({k[2] for k in keys if k[2]})) or (16,))  # fmt: skip
     spec = CacheSpec(4096, 16, max(buckets.decode) + 1)
-    runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, 4096)
+    runner = Runner(
+        model.model_def, model.params, model.kernels, spec, buckets, 4096, decode_overlap=args.decode_overlap
+    )
     runner.compile_all(keys=keys)
     costs = runner.measure_step_costs(keys, repeats=args.repeats)
     rows = []
@@ -55,7 +66,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "programs": rows}, f, indent=1)
+            json.dump({"model": args.model, "decode_overlap": args.decode_overlap,
+                       "concurrent_graph": args.concurrent_graph, "programs": rows}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 For each mode it builds a runner over the same weights, compiles the step programs of a few buckets in parallel,
 and reports:
-- the stream regions in each compiled unified program (`call-start` count and the annotated stream ids);
+- how each unified program ran in a profiler trace: the streams its kernels ran on, their summed time and their
+  span (below the sum only where kernels ran at once);
 - each program's device time (`Runner.measure_step_costs`: repeated runs dispatched back to back on padding inputs), beside the
   sum of its two sides run as separate programs (decode-only + prefill-only);
 - greedy parity: the same workload on both modes' engines, with the same plans (no overlap budget, so both
@@ -14,9 +15,12 @@ and reports:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
-import re
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -30,12 +34,33 @@ def build_runner(model, mode: str, batches, chunks, max_model_len: int, num_page
     return Runner(model.model_def, model.params, model.kernels, spec, buckets, max_model_len, decode_overlap=mode)
 
 
-def stream_regions(executable) -> dict:
-    text = executable.as_text()
-    return {
-        "call_start": text.count("call-start("),
-        "streams": sorted(set(re.findall(r'_xla_stream_annotation="(\d+)"', text))),
-    }
+def traced_streams(runner, key, runs: int = 5) -> dict:
+    """Runs program `key` on padding inputs `runs` times under the profiler: {"streams": the trace lanes its
+    kernels ran on (copies aside), "kernel_sum_ms" and "span_ms" per run}."""
+    import jax
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from device_trace import trace_events
+
+    executable, inputs = runner.executables[key], runner.padding_inputs(key)
+
+    def run(n):
+        for _ in range(n):
+            runner.cache, runner.token_state, outputs, _ = executable(
+                runner._param_leaves, runner.cache, runner.token_state, inputs
+            )
+        jax.block_until_ready(outputs)
+
+    run(2)
+    trace_dir = tempfile.mkdtemp(prefix="overlap_ab_trace_")
+    jax.profiler.start_trace(trace_dir)
+    run(runs)
+    jax.profiler.stop_trace()
+    kernels = [e for e in trace_events(trace_dir)[0] if "memcpy" not in e["name"].lower()]
+    lanes = collections.Counter(f"{e['pid']}/{e['tid']}" for e in kernels)
+    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    return {"streams": len(lanes), "kernel_sum_ms": sum(e["dur"] for e in kernels) / runs / 1e3,
+            "span_ms": span / runs / 1e3}  # fmt: skip
 
 
 def greedy_tokens(runner, batches, requests, seed: int) -> list[list[int]]:
@@ -85,13 +110,13 @@ def main() -> None:
         runner.compile_all()
         compile_s = time.perf_counter() - start
         unified = [k for k in runner.buckets.keys() if k[0] and k[1]]
-        regions = {str(k): stream_regions(runner.executables[k]) for k in unified}
+        traces = {str(k): traced_streams(runner, k) for k in unified}
         costs = runner.measure_step_costs(runner.buckets.keys(), repeats=args.repeats)
         sequential = {str(k): costs[(k[0], 0, 0)] + costs[(0, k[1], k[2])] for k in unified}
         tokens[mode] = greedy_tokens(runner, batches, args.requests, seed=0)
         result["modes"][mode] = {
             "compile_s": compile_s,
-            "regions": regions,
+            "traces": traces,
             "step_ms": {str(k): v * 1e3 for k, v in costs.items()},
             "sides_in_sequence_ms": {k: v * 1e3 for k, v in sequential.items()},
             "scratch_mib": {str(k): v / 2**20 for k, v in runner.temp_bytes.items()},

@@ -19,14 +19,14 @@ import numpy as np
 
 
 def build(model, mode: str, args):
-    """mode: off, stream, or stream-noregions (stream's scheduling over off's programs, to tell the two apart)."""
+    """mode: off, stream, or stream-noregions (stream's scheduling over off's serialised programs, to tell the two apart)."""
     from qwen35_jax.serving import runner as runner_module
     from qwen35_jax.serving.factory import EngineConfig, build_engine
     from qwen35_jax.serving.runner import Buckets
 
-    annotates = runner_module.annotates_streams
+    overlaps = runner_module.overlaps_sides
     if mode == "stream-noregions":
-        runner_module.annotates_streams = lambda *_: False
+        runner_module.overlaps_sides = lambda *_: False
         mode = "stream"
 
     config = EngineConfig(max_batch=args.decoders + 1, max_prefill_tokens=max(args.chunks), max_model_len=args.long + 64,
@@ -35,7 +35,7 @@ def build(model, mode: str, args):
     try:
         engine = build_engine(model, config, compile_now=False)
     finally:
-        runner_module.annotates_streams = annotates
+        runner_module.overlaps_sides = overlaps
     engine.runner.buckets = Buckets(decode=(args.decoders + 1,), prefill_rows=(1,), chunk=tuple(args.chunks))
     if mode == "stream":
         from qwen35_jax.serving.factory import compile_overlapped

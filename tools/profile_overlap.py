@@ -6,9 +6,10 @@ prefill-only programs, and from a profiler trace of the unified program: the ker
 the first kernel's start to the last one's end (below the sum only where two streams ran at once), the time
 each stream lane was busy, the largest kernels, and the program's scratch and HLO copies.
 
-Variants (`--variants`): `off`; `stream` (both sides' mixers on their streams); `stream-prefill` (only the
-prefill side's mixers on a stream; the decode side runs on the program's own stream, its GDN states updated in
-the pools in place). A `+lhs` suffix compiles the variant's programs with XLA's latency-hiding scheduler.
+Variants (`--variants`): `off`; `stream` (on a GPU the unified program's command buffer is concurrent,
+`runner.CONCURRENT_GRAPH`). Suffixes add XLA options to the variant's compiles: `+lhs`, XLA's latency-hiding
+scheduler; `+nocb`, command buffers (CUDA graphs) off; `+cbserial` / `+cbconc`, the command buffer serialised /
+concurrent for every program of the variant.
 
     python3 tools/profile_overlap.py --model 4b --batch 16 --chunk 256 --json profile_overlap.json
 """
@@ -67,29 +68,9 @@ def trace_summary(runner, key, runs: int, top: int) -> dict:
     }
 
 
-def region_schedule(text: str) -> dict:
-    """How the entry computation's schedule orders the regions: the most regions open at once (started, not yet
-    done), and how many start while another is open (only those can run beside it)."""
-    entry = text[text.index("\nENTRY ") :]
-    entry = entry[: entry.index("\n}")]
-    open_regions, most, beside = set(), 0, 0
-    for line in entry.splitlines():
-        # Only the regions themselves: XLA also wraps their outputs' tuple reads in annotated calls.
-        start = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = .* call-start\(.*to_apply=%compute_on", line)
-        done = re.search(r" call-done\(%?([\w.-]+)", line)
-        if start:
-            beside += bool(open_regions)
-            open_regions.add(start.group(1))
-            most = max(most, len(open_regions))
-        elif done:
-            open_regions.discard(done.group(1))
-    return {"most_open": most, "started_beside_another": beside}
-
-
 def hlo_counts(executable) -> dict:
     text = executable.as_text()
     return {
-        "schedule": region_schedule(text),
         "call_start": text.count("call-start("),
         "copies": len(re.findall(r" copy\(", text)),
         "copy_starts": len(re.findall(r" copy-start\(", text)),
@@ -98,11 +79,21 @@ def hlo_counts(executable) -> dict:
     }
 
 
+# Variant suffixes: XLA's latency-hiding scheduler; command buffers (CUDA graphs) off, serialised, concurrent.
+XLA_OPTIONS = {
+    "lhs": {"xla_gpu_enable_latency_hiding_scheduler": True},
+    "nocb": {"xla_gpu_enable_command_buffer": ""},
+    "cbserial": {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
+    "cbconc": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
+}
+
+
 def _compile_with(options: dict) -> None:
-    """Every program the runners compile from now on gets these XLA options too."""
+    """Every program the runners compile from now on gets these XLA options too (and no earlier call's)."""
     from qwen35_jax.serving.runner import Runner
 
-    base = Runner.compiler_options
+    base = getattr(Runner, "_plain_compiler_options", Runner.compiler_options)
+    Runner._plain_compiler_options = base
 
     def compiler_options(self, family, key):
         return {**(base(self, family, key) or {}), **options} or None
@@ -111,7 +102,6 @@ def _compile_with(options: dict) -> None:
 
 
 def main() -> None:
-    from qwen35_jax import model as model_module
     from qwen35_jax.api import load_model
     from qwen35_jax.serving.factory import enable_compile_cache
 
@@ -119,7 +109,7 @@ def main() -> None:
     parser.add_argument("--model", default="4b")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=256)
-    parser.add_argument("--variants", default="off,stream,stream-prefill,off+lhs,stream+lhs,stream-prefill+lhs")
+    parser.add_argument("--variants", default="off,stream,off+cbconc,stream+nocb")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--kernels", default="pallas")
@@ -130,15 +120,10 @@ def main() -> None:
     enable_compile_cache(args.compile_cache)
     model = load_model(args.model, dtype="bfloat16", kernels=args.kernels)
     unified, decode, prefill = (args.batch, 1, args.chunk), (args.batch, 0, 0), (0, 1, args.chunk)
-    plain_stream = model_module.StepContext.stream
     report = {"model": args.model, "key": list(unified), "variants": {}}
     for variant in args.variants.split(","):
         variant, _, options = variant.partition("+")
-        _compile_with({"xla_gpu_enable_latency_hiding_scheduler": True} if options == "lhs" else {})
-        if variant == "stream-prefill":
-            model_module.StepContext.stream = lambda self, side: (
-                side if self.streams and side == model_module.PREFILL_STREAM else None
-            )
+        _compile_with({k: v for o in options.split("+") if o for k, v in XLA_OPTIONS[o].items()})
         runner = build_runner(model, "off" if variant == "off" else "stream", args.batch, args.chunk)
         runner.compile_all()
         costs = runner.measure_step_costs([decode, prefill, unified], repeats=args.runs)
@@ -155,7 +140,6 @@ def main() -> None:
         if args.hlo_dir:
             with open(f"{args.hlo_dir}/{variant}.hlo.txt", "w") as f:
                 f.write(runner.executables[unified].as_text())
-        model_module.StepContext.stream = plain_stream
         print(json.dumps({variant: report["variants"][variant]}), flush=True)
         del runner
     if args.json:
