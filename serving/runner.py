@@ -71,10 +71,10 @@ PINNED_GEMMS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0
 # program's kernels) is built concurrent, each kernel waiting only for the kernels whose buffers it reads or
 # overwrites, so the graph's independent branches run on separate streams: the decode side's mixers beside the
 # prefill side's, whose inputs and outputs are disjoint. XLA's default serialises the graph in program order. On the
-# H200 at 4B the unified (16, 1, 256) took 7.55 ms concurrent against 8.29 ms serialised, and its two sides run as
-# separate programs 10.77 ms (docs/overlap.md). Annotating each side's mixers as a stream region
-# (`jax.experimental.compute_on`) ran them on two streams only with command buffers off or concurrent, and was
-# slower either way (9.25-10.4 ms): every region breaks the program's command buffer, and the decode side's slot
+# H200 at 4B the unified (16, 1, 256) took 7.66 ms concurrent against 8.26 ms serialised, and its two sides run as
+# separate programs 11.7 ms (docs/overlap.md). Annotating each side's mixers as a stream region
+# (`jax.experimental.compute_on`) ran them at once only with command buffers off or concurrent, and was slower in
+# every setting (9.25-12.3 ms): every region breaks the program's command buffer, and the decode side's slot
 # states had to be gathered into the region and scattered back.
 CONCURRENT_GRAPH = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 # The smallest chunk bucket beside decode rows. Up to a few hundred rows, the dense layers read every weight
