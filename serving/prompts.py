@@ -163,10 +163,13 @@ class RequestPreparer:
         return choices
 
     # ---- checks ------------------------------------------------------------------------------------------
-    def check_request(self, request: api.SamplingFields) -> None:
-        if request.model is not None and request.model != self.config.served_model_name:
-            raise APIError(404, f"model {request.model!r} does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", "model", "model_not_found")  # fmt: skip
+
+    def check_request(self, request: api.SamplingFields) -> None:
+        self.check_model(request.model)
         problems = api.unsupported_params(request)
         if problems:
             param, message = problems[0]
@@ -244,6 +247,42 @@ class RequestPreparer:
             in_reasoning=in_reasoning, prefix=prefix,
         )  # fmt: skip
         return ids, output_format
+
+    async def tokenize(self, request: api.TokenizeCompletionRequest | api.TokenizeChatRequest) -> dict:
+        """vLLM's /tokenize: a prompt's ids, or a conversation's as the chat template renders it (with its tools
+        and template arguments), without the length check that generation makes."""
+        self.check_model(request.model)
+        if isinstance(request, api.TokenizeChatRequest):
+            self._need_tokenizer("messages")
+            kwargs = request.chat_template_kwargs or {}
+            reserved = {"messages", "add_generation_prompt", "tools"} & kwargs.keys()
+            if reserved:
+                raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+            tools = None if request.tools is None else [tool.model_dump(exclude_none=True) for tool in request.tools]
+            messages = [m.for_template() for m in request.messages]
+            try:
+                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
+                                               request.add_generation_prompt, tools, **kwargs)  # fmt: skip
+            except Exception as err:  # the template runs on client data: whatever it raises is the client's
+                raise APIError(400, f"messages: {err}", "messages") from None
+        else:
+            self._need_tokenizer("prompt")
+            _require_unicode(request.prompt, "prompt")
+            text = request.prompt
+        ids = await asyncio.to_thread(self.tokenizer.encode, text)
+        strs = [self.tokenizer.backend.id_to_token(i) for i in ids] if request.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: api.DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        self.check_model(request.model)
+        self._need_tokenizer("tokens")
+        vocab = self.config.vocab_size
+        bad = [t for t in request.tokens if t >= vocab]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        text = await asyncio.to_thread(self.tokenizer.decode, request.tokens, False)
+        return {"prompt": text}
 
     # ---- parameters --------------------------------------------------------------------------------------
     def generation_params(self, request: api.SamplingFields, num_prompt_tokens: int, max_tokens: int | None,

@@ -305,6 +305,43 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+# ---- tokenization (vLLM's /tokenize and /detokenize) ------------------------------------------------------
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    # Qwen3.5's tokenizer adds no BOS or EOS, so the flag changes nothing; it is taken because vLLM's clients send it.
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: Annotated[list[Tool], Field(max_length=512)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -61,6 +61,19 @@ class OpenAIServer:
         self.preparer = RequestPreparer(engine, tokenizer, config)
         self.responses = ResponseBuilder(config.served_model_name, LogprobFormatter(tokenizer))
 
+    @property
+    def version(self) -> str:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("qwen35-jax")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return "unknown"
+
+    def model_card(self) -> dict:
+        return {"id": self.config.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "qwen35-jax", "max_model_len": self.config.max_model_len}  # fmt: skip
+
     def check_room(self, num_choices: int = 1) -> None:
         if self.max_queue is None:
             return
@@ -170,9 +183,24 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.get("/v1/models", response_model=api.ModelList, responses=ERROR_RESPONSES)
     async def models():
-        card = {"id": server.config.served_model_name, "object": "model", "created": server.created,
-                "owned_by": "qwen35-jax", "max_model_len": server.config.max_model_len}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+    @app.get("/v1/models/{model_id:path}", response_model=api.ModelCard, responses=ERROR_RESPONSES)
+    async def model(model_id: str):
+        server.preparer.check_model(model_id)
+        return JSONResponse(server.model_card())
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": server.version})
+
+    @app.post("/tokenize", response_model=api.TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize(body: api.TokenizeCompletionRequest | api.TokenizeChatRequest):
+        return JSONResponse(await server.preparer.tokenize(body))
+
+    @app.post("/detokenize", response_model=api.DetokenizeResponse, responses=ERROR_RESPONSES)
+    async def detokenize(body: api.DetokenizeRequest):
+        return JSONResponse(await server.preparer.detokenize(body))
 
     @app.post("/v1/completions", response_model=api.CompletionResponse, responses=ERROR_RESPONSES)
     async def completions(body: api.CompletionRequest, request: HTTPRequest):
