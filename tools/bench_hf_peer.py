@@ -237,10 +237,12 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     model = build_model(args.model, dtype, device, args.seed)
     result = {
-        "model": args.model, "mode": "eager", "dtype": args.dtype, "device": args.device, "seed": args.seed,
+        "model": args.model, "mode": "eager", "weights": "random (HF init, seeded)", "dtype": args.dtype,
+        "device": args.device, "seed": args.seed,
         "parameters": sum(p.numel() for p in model.parameters()), "build_s": time.perf_counter() - start,
         "attn_implementation": model.config._attn_implementation, "logits_to_keep": 1,
-        "decode_warmup_steps": WARMUP_STEPS, "prefill_warmup_runs": 1, "argv": sys.argv[1:],
+        "decode_warmup_steps": WARMUP_STEPS, "prefill_warmup_runs": 1,
+        "argv": sys.argv[1:] if argv is None else list(argv),
         **environment(device), **gdn_path(),
     }  # fmt: skip
     print(json.dumps(result), flush=True)

@@ -5,7 +5,8 @@
 #   tools/lease_bench.sh offline OUTDIR   device limits; decode TPOT at batch 1/16/64/256 (context 1024) and
 #                                         prefill 1024/8192 through the engine, with their floors
 #   tools/lease_bench.sh peer OUTDIR      the HF transformers + fla peer at the same cells (needs torch,
-#                                         transformers 5.17 and, for its fast GDN path, flash-linear-attention)
+#                                         transformers 5.17 and, for its fast GDN path, flash-linear-attention
+#                                         0.6.0; peer.json says which GDN path ran)
 #   tools/lease_bench.sh kernels OUTDIR   the GDN chunked prefill kernel against fla at 1k-8k tokens
 #   tools/lease_bench.sh server OUTDIR    `serve --model 4b --max-batch 64` from a cold cache: time to ready, the
 #                                         HTTP cells (c1 and c16 1024/256, QPS16 1024/128, 16 x 128 bursts), then
