@@ -151,6 +151,18 @@ def _normalize_tool_calls(tool_calls: Any, where: str) -> list[dict]:
     return out
 
 
+def _cut_after_final_message(text: str, final: dict) -> str:
+    """`text` up to the end of the final message's content, the last place it occurs: as the client wrote it, or
+    stripped of outer whitespace where the template trimmed it."""
+    if not final["content"].strip():
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    for content in (final["content"], final["content"].strip()):
+        end = text.rfind(content)
+        if end >= 0:
+            return text[: end + len(content)]
+    raise ValueError("continue_final_message: the chat template does not render the final message's text")
+
+
 def normalize_messages(messages: Any) -> list[dict]:
     """Check chat messages and return copies with text-only string content.
 
@@ -301,13 +313,21 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render the chat template to a prompt string (encode it with `encode`).
 
-        Extra keyword arguments (e.g. `enable_thinking=False`) are passed to the template. Raises
-        ValueError for invalid messages or when the template itself rejects the conversation.
+        continue_final_message: the prompt ends with the last message's text, its turn left open, so that the
+        model continues it (an assistant answer the client started); as HF's, the rendered conversation is cut
+        right after the last occurrence of that text. Extra keyword arguments (e.g. `enable_thinking=False`) are
+        passed to the template. Raises ValueError for invalid messages or when the template itself rejects the
+        conversation.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message continues the last message, so add_generation_prompt must be false"
+            )
         context: dict[str, Any] = {}
         for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
             value = _token_content(self.config.get(key))
@@ -319,11 +339,12 @@ class Tokenizer:
         if tools is not None:
             context["tools"] = tools
         try:
-            return self._compiled_template.render(**context)
+            text = self._compiled_template.render(**context)
         except _TemplateRaise as e:
             raise ValueError(f"chat template rejected the conversation: {e}") from e
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+        return _cut_after_final_message(text, context["messages"][-1]) if continue_final_message else text
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs):
         """`encode(apply_chat_template(...))`."""

@@ -224,13 +224,12 @@ class RequestPreparer:
         self._need_tokenizer("messages")
         messages = [m.for_template() for m in request.messages]
         kwargs = request.chat_template_kwargs or {}
-        reserved = {"messages", "add_generation_prompt", "tools"} & kwargs.keys()
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+        _check_template_kwargs(kwargs)
         tools = request.tools if request.tools and request.tool_choice != "none" else None
         rendered = None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
         try:
-            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, True, rendered, **kwargs)
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, request.add_generation_prompt,
+                                           rendered, request.continue_final_message, **kwargs)  # fmt: skip
         except Exception as err:  # the template runs on client data: whatever it raises is the client's
             raise APIError(400, f"messages: {err}", "messages") from None
         tail = text[text.rfind(ASSISTANT_TURN) :]
@@ -255,14 +254,16 @@ class RequestPreparer:
         if isinstance(request, api.TokenizeChatRequest):
             self._need_tokenizer("messages")
             kwargs = request.chat_template_kwargs or {}
-            reserved = {"messages", "add_generation_prompt", "tools"} & kwargs.keys()
-            if reserved:
-                raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+            _check_template_kwargs(kwargs)
+            problems = api.continuation_problems(request)
+            if problems:
+                raise APIError(400, problems[0][1], problems[0][0])
             tools = None if request.tools is None else [tool.model_dump(exclude_none=True) for tool in request.tools]
             messages = [m.for_template() for m in request.messages]
             try:
                 text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
-                                               request.add_generation_prompt, tools, **kwargs)  # fmt: skip
+                                               request.add_generation_prompt, tools, request.continue_final_message,
+                                               **kwargs)  # fmt: skip
             except Exception as err:  # the template runs on client data: whatever it raises is the client's
                 raise APIError(400, f"messages: {err}", "messages") from None
         else:
@@ -356,6 +357,12 @@ class RequestPreparer:
             if value:
                 pairs.append((token, float(value)))
         return tuple(pairs)
+
+
+def _check_template_kwargs(kwargs: dict) -> None:
+    reserved = {"messages", "add_generation_prompt", "continue_final_message", "tools"} & kwargs.keys()
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
 
 
 def _forced_tool_call(tool_choice) -> str:

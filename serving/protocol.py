@@ -181,6 +181,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the prompt ends with the assistant turn's opening (the default), or, with continue_final_message,
+    # with the last message's own text, left open for the model to continue.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, str]]:
@@ -207,7 +211,20 @@ def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> li
                                             "be a tool call"))  # fmt: skip
     if request.top_logprobs is not None and not request.logprobs:
         problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
+    problems += continuation_problems(request)
+    shaped = forced_call or (request.response_format is not None and request.response_format.constrains)
+    if request.continue_final_message and shaped:
+        problems.append(("continue_final_message", "continue_final_message cannot continue an answer that "
+                                                   "tool_choice or response_format shapes from its start"))  # fmt: skip
     return problems
+
+
+def continuation_problems(request: ChatCompletionRequest | TokenizeChatRequest) -> list[tuple[str, str]]:
+    """continue_final_message continues the last message, which a new assistant turn would close."""
+    if request.continue_final_message and request.add_generation_prompt:
+        return [("continue_final_message", "continue_final_message continues the last message, so "
+                                           "add_generation_prompt must be false")]  # fmt: skip
+    return []
 
 
 # ---- responses ------------------------------------------------------------------------------------------
@@ -320,6 +337,7 @@ class TokenizeChatRequest(_Strict):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
     tools: Annotated[list[Tool], Field(max_length=512)] | None = None

@@ -1,5 +1,6 @@
 """The vLLM utility routes beside the OpenAI API, on the live tiny server: `/tokenize` (a prompt, or a conversation
-through the chat template), `/detokenize`, `/version`, and retrieving the served model (`GET /v1/models/{id}`)."""
+through the chat template), `/detokenize`, `/version`, retrieving the served model (`GET /v1/models/{id}`), and
+vLLM's chat parameters `add_generation_prompt` and `continue_final_message`."""
 
 from __future__ import annotations
 
@@ -49,6 +50,49 @@ def test_detokenize_inverts_tokenize(idle_server):
     assert response.status_code == 200 and response.json() == {"prompt": text}
 
 
+CONTINUED = [*MESSAGES, {"role": "assistant", "content": "Hello, I am"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+def test_continue_final_message_continues_the_answer(idle_server):
+    """The chat answer continues the client's partial assistant message: the same greedy tokens as a completion of
+    the conversation rendered and cut after that message's text (/tokenize's tokens)."""
+    tokens = post(idle_server, "/tokenize", {"messages": CONTINUED, **CONTINUE}).json()["tokens"]
+    assert (
+        post(idle_server, "/detokenize", {"tokens": tokens})
+        .json()["prompt"]
+        .endswith("<|im_start|>assistant\nHello, I am")
+    )
+    client = idle_server.client()
+    chat = client.chat.completions.create(model=idle_server.model_name, messages=CONTINUED, max_tokens=8,
+                                          temperature=0.0, logprobs=True, extra_body=CONTINUE)  # fmt: skip
+    completion = client.completions.create(model=idle_server.model_name, prompt=tokens, max_tokens=8, temperature=0.0,
+                                           logprobs=0)  # fmt: skip
+    assert chat.usage.prompt_tokens == len(tokens)
+    assert [t.token for t in chat.choices[0].logprobs.content] == completion.choices[0].logprobs.tokens
+
+
+def test_add_generation_prompt_false_ends_the_prompt_after_the_last_turn(idle_server):
+    client = idle_server.client()
+    chat = client.chat.completions.create(model=idle_server.model_name, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"add_generation_prompt": False})  # fmt: skip
+    plain = post(idle_server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert chat.usage.prompt_tokens == plain["count"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"continue_final_message": True}, {**CONTINUE, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+     {**CONTINUE, "response_format": {"type": "json_object"}}],
+)  # fmt: skip
+def test_continue_final_message_refuses_what_it_cannot_continue(idle_server, extra):
+    with pytest.raises(openai.BadRequestError) as refused:
+        idle_server.client().chat.completions.create(model=idle_server.model_name, messages=CONTINUED, max_tokens=2,
+                                                     extra_body=extra)  # fmt: skip
+    assert refused.value.body["param"] == "continue_final_message"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
@@ -57,6 +101,7 @@ def test_detokenize_inverts_tokenize(idle_server):
         ("/tokenize", {"prompt": 5}, 400, None),
         ("/tokenize", {"messages": []}, 400, None),
         ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+        ("/tokenize", {"messages": CONTINUED, "continue_final_message": True}, 400, "continue_final_message"),
         ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": [-1]}, 400, None),
         ("/detokenize", {"tokens": "abc"}, 400, None),

@@ -215,6 +215,26 @@ def test_chat_template_exact(tok):
     assert tok.decode(ids, skip_special_tokens=False) == EXPECTED
 
 
+def test_continue_final_message_leaves_the_last_turn_open(tok, tmp_path):
+    """As HF's: the conversation is cut right after the final message's text, as written (a trailing space kept)
+    or, where the template trimmed it, stripped."""
+    start = [{"role": "user", "content": "Add 2 and 3."}]
+    trimming = Tokenizer.from_dir(_copy_tokenizer(tmp_path, {"chat_template": "{% for m in messages %}<{{ m.role }}>"
+                                                             "{{ m.content | trim }}</{{ m.role }}>{% endfor %}"}))  # fmt: skip
+    messages = [*start, {"role": "assistant", "content": " The sum is\n"}]
+    assert trimming.apply_chat_template(messages, False, continue_final_message=True) == (
+        "<user>Add 2 and 3.</user><assistant>The sum is"
+    )
+    for content, tail in [("The sum is", "The sum is"), ("The sum is ", "The sum is "), ("\nThe sum\n", "\nThe sum\n")]:
+        messages = [*start, {"role": "assistant", "content": content}]
+        out = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+        assert out == "<|im_start|>user\nAdd 2 and 3.<|im_end|>\n<|im_start|>assistant\n" + tail
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        tok.apply_chat_template([*start, {"role": "assistant", "content": "x"}], continue_final_message=True)
+    with pytest.raises(ValueError, match="text to continue"):
+        tok.apply_chat_template([*start, {"role": "assistant", "content": " "}], False, continue_final_message=True)
+
+
 def test_text_parts_are_joined_with_newlines(tok):
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
     out = tok.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=False)
