@@ -444,7 +444,8 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cuts a text stream at the first stop string to appear (the stop string itself is not emitted).
+    """Cuts a text stream at the first stop string to appear (the stop string itself is emitted only with
+    `include`, vLLM's include_stop_str_in_output).
 
     "First" means the one whose end comes first, as if the text arrived one character at a time; of
     several ending at the same place, the longest. Chunking therefore never changes the result.
@@ -454,8 +455,9 @@ class StopStringMatcher:
     held back until it is decided; `flush()` returns it at the end of the stream.
     """
 
-    def __init__(self, stops: Iterable[str]):
+    def __init__(self, stops: Iterable[str], include: bool = False):
         self.stops = tuple(dict.fromkeys(s for s in stops if s))
+        self.include = include
         if any(not isinstance(s, str) for s in self.stops):
             raise TypeError("stop strings must be str")
         self._prefixes = frozenset(s[:n] for s in self.stops for n in range(1, len(s)))
@@ -478,7 +480,7 @@ class StopStringMatcher:
         if best is not None:
             self._buffer = ""
             self.stopped = True
-            return buffer[: best[1]], True
+            return buffer[: best[0] if self.include else best[1]], True
         held = 0
         for n in range(min(self._max_held, len(buffer)), 0, -1):
             if buffer[-n:] in self._prefixes:

@@ -54,6 +54,8 @@ class GenerationParams:
     # chunks then run in prompt-logprobs steps, and the first output delivered carries them all.
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None  # response_format's compiled grammar: the output must follow it
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string that ended it
+    skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
 
 
 @dataclasses.dataclass
@@ -185,8 +187,8 @@ class Engine:
     def _text_tools(self, params: GenerationParams):
         if self.tokenizer is None:
             return None, None
-        matcher = StopStringMatcher(list(params.stop)) if params.stop else None
-        return IncrementalDetokenizer(self.tokenizer), matcher
+        matcher = StopStringMatcher(params.stop, include=params.include_stop_str_in_output) if params.stop else None
+        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), matcher
 
     def abort(self, request_id: str) -> None:
         with self._wake:

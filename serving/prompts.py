@@ -299,7 +299,8 @@ class RequestPreparer:
         return GenerationParams(
             max_tokens=max_tokens, sampling=self._sampling(request), stop=request.stop_strings(),
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, grammar=grammar,
+            prompt_logprobs=prompt_logprobs, grammar=grammar, include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
         )  # fmt: skip
 
     async def grammar(self, response_format: api.ResponseFormat | None) -> Grammar | None:

@@ -87,6 +87,8 @@ class SamplingFields(_Strict):
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None  # vLLM's; 1 is neutral
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
     response_format: ResponseFormat | None = None  # also on completions, as vLLM takes it
+    include_stop_str_in_output: bool = False  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -132,6 +132,27 @@ def test_stop_string_cuts_the_text(idle_server):
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(idle_server):
+    client = idle_server.client()
+    full = greedy(client, prompt=PROMPT_IDS, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
+    candidates = [full[i : i + 2] for i in range(2, len(full) - 2)]
+    stop = next(s for s in candidates if "\ufffd" not in s and s.strip())
+    kept = greedy(client, prompt=PROMPT_IDS, max_tokens=24, stop=[stop],
+                  extra_body={"ignore_eos": True, "include_stop_str_in_output": True})  # fmt: skip
+    assert kept.choices[0].text == full[: full.index(stop) + len(stop)]
+    assert kept.choices[0].finish_reason == "stop"
+
+
+def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(idle_server):
+    """A special token forced by logit_bias (<|im_start|>, not an end of sequence) is text only when asked."""
+    special = idle_server.model.tokenizer.backend.id_to_token(1)
+    fields = {"prompt": PROMPT_IDS, "max_tokens": 3, "logit_bias": {"1": 100}}
+    skipped = greedy(idle_server.client(), **fields)
+    kept = greedy(idle_server.client(), **fields, extra_body={"skip_special_tokens": False})
+    assert skipped.usage.completion_tokens == kept.usage.completion_tokens == 3
+    assert special not in skipped.choices[0].text and kept.choices[0].text == special * 3
+
+
 def test_stop_token_ids_end_the_output(idle_server):
     every_id = list(range(idle_server.vocab_size))
     response = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=10,

@@ -408,6 +408,12 @@ def test_stop_string_across_chunks():
     assert m.push("anything") == ("", True)
 
 
+def test_an_included_stop_string_ends_the_text():
+    m = StopStringMatcher(["STOP", "OP and"], include=True)
+    assert m.push("Hello S") == ("Hello ", False)
+    assert m.push("TOP and more") == ("STOP", True) and m.matched == "STOP"
+
+
 def test_stop_string_prefix_is_held_then_released():
     m = StopStringMatcher(["</end>"])
     assert m.push("a </e") == ("a ", False)
