@@ -56,6 +56,13 @@ class GenerationParams:
     grammar: Grammar | None = None  # response_format's compiled grammar: the output must follow it
     include_stop_str_in_output: bool = False  # vLLM's: the text ends with the stop string that ended it
     skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
+    # vLLM's: the first min_tokens output tokens are never an end of sequence or a stop token (their logits are
+    # pushed to -inf), and no stop string is looked for in their text.
+    min_tokens: int = 0
+
+    def held_back(self, eos_token_ids) -> tuple[int, ...]:
+        """The tokens min_tokens keeps out of the first outputs."""
+        return tuple(dict.fromkeys((*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids))))
 
 
 @dataclasses.dataclass
@@ -259,8 +266,11 @@ class Engine:
             index = gen.request.num_output_tokens - 1  # counted at schedule time for this step
             samples = getattr(row, "is_last", True)  # a chunk before the prompt's last samples nothing
             mask = gen.grammar.mask if gen.grammar is not None and samples else None
+            bias = s.logit_bias
+            if samples and index < gen.params.min_tokens:
+                bias += tuple((token, -np.inf) for token in gen.params.held_back(self.eos_token_ids))
             rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index, gen.params.logprobs or 0,
-                                    s.logit_bias, s.presence_penalty, s.frequency_penalty,
+                                    bias, s.presence_penalty, s.frequency_penalty,
                                     s.repetition_penalty, mask))  # fmt: skip
         return rows
 
@@ -363,7 +373,7 @@ class Engine:
         text = "" if self._is_stop_token(gen, token) else gen.detokenizer.push([token])
         if reason is not None:
             text += gen.detokenizer.flush()
-        if gen.stop_matcher is None:
+        if gen.stop_matcher is None or len(gen.output_ids) <= gen.params.min_tokens:
             return text, False
         text, stopped = gen.stop_matcher.push(text)
         if reason is not None and not stopped:

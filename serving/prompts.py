@@ -296,12 +296,23 @@ class RequestPreparer:
         if bad:
             raise APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
                                 f"{self.config.vocab_size})", "stop_token_ids")  # fmt: skip
-        return GenerationParams(
+        params = GenerationParams(
             max_tokens=max_tokens, sampling=self._sampling(request), stop=request.stop_strings(),
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, grammar=grammar, include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens,
+            skip_special_tokens=request.skip_special_tokens, min_tokens=request.min_tokens,
         )  # fmt: skip
+        self._check_min_tokens(params)
+        return params
+
+    def _check_min_tokens(self, params: GenerationParams) -> None:
+        if params.min_tokens > params.max_tokens:
+            raise APIError(400, f"min_tokens ({params.min_tokens}) exceeds the output's max_tokens "
+                                f"({params.max_tokens})", "min_tokens")  # fmt: skip
+        held = len(params.held_back(self.engine.eos_token_ids)) if params.min_tokens else 0
+        if held + len(params.sampling.logit_bias) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"min_tokens holds back {held} end tokens, which with {len(params.sampling.logit_bias)} "
+                                f"logit_bias entries exceed the {MAX_LOGIT_BIAS} a request may have", "min_tokens")  # fmt: skip
 
     async def grammar(self, response_format: api.ResponseFormat | None) -> Grammar | None:
         """The compiled grammar of a structured response_format (None for none or `text`). It compiles off the

@@ -88,6 +88,7 @@ class SamplingFields(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # token id -> bias
     response_format: ResponseFormat | None = None  # also on completions, as vLLM takes it
     include_stop_str_in_output: bool = False  # vLLM's
+    min_tokens: Annotated[Int, Field(ge=0)] = 0  # vLLM's: no end of sequence, stop token or stop string before it
     skip_special_tokens: bool = True  # vLLM's
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -98,6 +99,9 @@ class SamplingFields(_Strict):
 
 def _shared_problems(request: SamplingFields) -> list[tuple[str, str]]:
     problems = []
+    if request.min_tokens and request.response_format is not None and request.response_format.constrains:
+        problems.append(("min_tokens", "min_tokens cannot hold back the end of an answer that response_format "
+                                       "ends when its JSON is complete"))  # fmt: skip
     if request.stream_options is not None and not request.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
     problems += _response_format_problems(request.response_format)

@@ -153,6 +153,31 @@ def test_skip_special_tokens_false_keeps_special_tokens_in_the_text(idle_server)
     assert special not in skipped.choices[0].text and kept.choices[0].text == special * 3
 
 
+def test_min_tokens_holds_back_stop_tokens_and_the_end_of_sequence(idle_server):
+    """A token forced by logit_bias ends the output at once as a stop token, or as the end of sequence; with
+    min_tokens it comes only after that many outputs."""
+    client = idle_server.client()
+    for end, stop_ids in [(300, [300]), (idle_server.model.tokenizer.eos_token_id, [])]:
+        fields = {"prompt": PROMPT_IDS, "max_tokens": 8, "logit_bias": {str(end): 100}}
+        at_once = greedy(client, **fields, extra_body={"stop_token_ids": stop_ids})
+        held = greedy(client, **fields, extra_body={"stop_token_ids": stop_ids, "min_tokens": 3})
+        assert at_once.choices[0].finish_reason == held.choices[0].finish_reason == "stop"
+        assert (at_once.usage.completion_tokens, held.usage.completion_tokens) == (1, 4)
+    # A stop string is looked for only in the text of the outputs after the first min_tokens.
+    word = idle_server.model.tokenizer.decode([300])
+    fields = {"prompt": PROMPT_IDS, "max_tokens": 8, "logit_bias": {"300": 100}, "stop": [word]}
+    at_once, held = greedy(client, **fields), greedy(client, **fields, extra_body={"min_tokens": 3})
+    assert (at_once.choices[0].text, at_once.usage.completion_tokens) == ("", 1)
+    assert (held.choices[0].text, held.usage.completion_tokens) == (word * 3, 4)
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 9}, {"min_tokens": 2, "response_format": {"type": "json_object"}}])
+def test_min_tokens_that_cannot_hold_is_refused(idle_server, extra):
+    with pytest.raises(openai.BadRequestError) as refused:
+        greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=8, extra_body=extra)
+    assert refused.value.body["param"] == "min_tokens"
+
+
 def test_stop_token_ids_end_the_output(idle_server):
     every_id = list(range(idle_server.vocab_size))
     response = greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=10,
