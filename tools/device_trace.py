@@ -27,3 +27,27 @@ def time_by_name(events: list[dict], calls: int, top: int) -> dict[str, float]:
     for e in events:
         by_name[e["name"].split("(")[0][:60]] += e["dur"]
     return {name: us / calls / 1e3 for name, us in by_name.most_common(top)}
+
+
+def traced_program(runner, key, runs: int) -> list[dict]:
+    """The device events (`trace_events`) of `runs` back-to-back runs of a step program of a
+    `qwen35_jax.serving.runner.Runner` on padding inputs, after two untraced runs that pay the one-time costs."""
+    import tempfile
+
+    import jax
+
+    executable, inputs = runner.executables[key], runner.padding_inputs(key)
+
+    def run(n):
+        for _ in range(n):
+            runner.cache, runner.token_state, outputs, _ = executable(
+                runner._param_leaves, runner.cache, runner.token_state, inputs
+            )
+        jax.block_until_ready(outputs)
+
+    run(2)
+    trace_dir = tempfile.mkdtemp(prefix="program_trace_")
+    jax.profiler.start_trace(trace_dir)
+    run(runs)
+    jax.profiler.stop_trace()
+    return trace_events(trace_dir)[0]

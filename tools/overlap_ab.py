@@ -18,7 +18,6 @@ import argparse
 import collections
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,26 +36,10 @@ def build_runner(model, mode: str, batches, chunks, max_model_len: int, num_page
 def traced_streams(runner, key, runs: int = 5) -> dict:
     """Runs program `key` on padding inputs `runs` times under the profiler: {"streams": the trace lanes its
     kernels ran on (copies aside), "kernel_sum_ms" and "span_ms" per run}."""
-    import jax
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from device_trace import trace_events
+    from device_trace import traced_program
 
-    executable, inputs = runner.executables[key], runner.padding_inputs(key)
-
-    def run(n):
-        for _ in range(n):
-            runner.cache, runner.token_state, outputs, _ = executable(
-                runner._param_leaves, runner.cache, runner.token_state, inputs
-            )
-        jax.block_until_ready(outputs)
-
-    run(2)
-    trace_dir = tempfile.mkdtemp(prefix="overlap_ab_trace_")
-    jax.profiler.start_trace(trace_dir)
-    run(runs)
-    jax.profiler.stop_trace()
-    kernels = [e for e in trace_events(trace_dir)[0] if "memcpy" not in e["name"].lower()]
+    kernels = [e for e in traced_program(runner, key, runs) if "memcpy" not in e["name"].lower()]
     lanes = collections.Counter(f"{e['pid']}/{e['tid']}" for e in kernels)
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
     return {"streams": len(lanes), "kernel_sum_ms": sum(e["dur"] for e in kernels) / runs / 1e3,

@@ -68,50 +68,48 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_decode(rows: list[dict], path: Path) -> None:
+def _plot(path: Path, series: list[tuple[str, str, list, list]], xlabel: str, ylabel: str) -> None:
+    """One log-log plot of (label, matplotlib style, xs, ys) series; a series without points is left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    x = [r["x"] for r in rows]
-    ax.plot(x, [r["x"] / r["floor_ms"] * 1e3 for r in rows], "k--", label="roofline (weights, KV and state once)")
-    ax.plot(x, [r["throughput"] for r in rows], "o-", label="qwen35-jax")
-    peer = [(r["x"], r["peer_throughput"]) for r in rows if r["peer_throughput"]]
-    if peer:
-        ax.plot(*zip(*peer, strict=True), "s-", label="HF transformers + fla")
+    for label, style, xs, ys in series:
+        if xs:
+            ax.plot(xs, ys, style, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("decode batch")
-    ax.set_ylabel("output tokens / s")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _peer_points(rows: list[dict], key: str) -> tuple[list, list]:
+    points = [(r["x"], r[key]) for r in rows if r[key]]
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def plot_decode(rows: list[dict], path: Path) -> None:
+    x = [r["x"] for r in rows]
+    _plot(path, [
+        ("roofline (weights, KV and state once)", "k--", x, [r["x"] / r["floor_ms"] * 1e3 for r in rows]),
+        ("qwen35-jax", "o-", x, [r["throughput"] for r in rows]),
+        ("HF transformers + fla", "s-", *_peer_points(rows, "peer_throughput")),
+    ], "decode batch", "output tokens / s")  # fmt: skip
 
 
 def plot_prefill(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [r["x"] for r in rows]
-    ax.plot(x, [r["floor_ms"] for r in rows], "k--", label="bf16 FLOP floor")
-    ax.plot(x, [r["ours_ms"] for r in rows], "o-", label="qwen35-jax")
-    peer = [(r["x"], r["peer_ms"]) for r in rows if r["peer_ms"]]
-    if peer:
-        ax.plot(*zip(*peer, strict=True), "s-", label="HF transformers + fla")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("time to first token (ms, one prompt)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _plot(path, [
+        ("bf16 FLOP floor", "k--", x, [r["floor_ms"] for r in rows]),
+        ("qwen35-jax", "o-", x, [r["ours_ms"] for r in rows]),
+        ("HF transformers + fla", "s-", *_peer_points(rows, "peer_ms")),
+    ], "prompt tokens", "time to first token (ms, one prompt)")  # fmt: skip
 
 
 def main(argv=None) -> None:

@@ -20,9 +20,8 @@ import argparse
 import collections
 import json
 import re
-import tempfile
 
-from device_trace import time_by_name, trace_events
+from device_trace import time_by_name, traced_program
 
 
 def build_runner(model, mode: str, batch: int, chunk: int):
@@ -35,23 +34,7 @@ def build_runner(model, mode: str, batch: int, chunk: int):
 
 
 def trace_summary(runner, key, runs: int, top: int) -> dict:
-    import jax
-
-    executable, inputs = runner.executables[key], runner.padding_inputs(key)
-
-    def run(n):
-        for _ in range(n):
-            runner.cache, runner.token_state, outputs, _ = executable(
-                runner._param_leaves, runner.cache, runner.token_state, inputs
-            )
-        jax.block_until_ready(outputs)
-
-    run(2)
-    trace_dir = tempfile.mkdtemp(prefix="overlap_trace_")
-    jax.profiler.start_trace(trace_dir)
-    run(runs)
-    jax.profiler.stop_trace()
-    kernels, _ = trace_events(trace_dir)
+    kernels = traced_program(runner, key, runs)
     lanes = collections.Counter()
     for e in kernels:
         lanes[f"{e['pid']}/{e['tid']}"] += e["dur"]
