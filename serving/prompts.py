@@ -221,17 +221,8 @@ class RequestPreparer:
         its answer is parsed with. tool_choice "none" renders no tools; "required" or a named function puts the
         start of a `<tool_call>` block at the head of the answer. A structured answer (`response_format`) is all
         grammar from its first token, so a prompt that opened the reasoning closes it, as a forced call does."""
-        self._need_tokenizer("messages")
-        messages = [m.for_template() for m in request.messages]
-        kwargs = request.chat_template_kwargs or {}
-        _check_template_kwargs(kwargs)
         tools = request.tools if request.tools and request.tool_choice != "none" else None
-        rendered = None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
-        try:
-            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, request.add_generation_prompt,
-                                           rendered, request.continue_final_message, **kwargs)  # fmt: skip
-        except Exception as err:  # the template runs on client data: whatever it raises is the client's
-            raise APIError(400, f"messages: {err}", "messages") from None
+        text = await self._render_chat(request, tools)
         tail = text[text.rfind(ASSISTANT_TURN) :]
         in_reasoning = tail.rfind(THINK_START) > tail.rfind(THINK_END)
         prefix = _forced_tool_call(request.tool_choice) if tools is not None else ""
@@ -252,20 +243,10 @@ class RequestPreparer:
         and template arguments), without the length check that generation makes."""
         self.check_model(request.model)
         if isinstance(request, api.TokenizeChatRequest):
-            self._need_tokenizer("messages")
-            kwargs = request.chat_template_kwargs or {}
-            _check_template_kwargs(kwargs)
             problems = api.continuation_problems(request)
             if problems:
                 raise APIError(400, problems[0][1], problems[0][0])
-            tools = None if request.tools is None else [tool.model_dump(exclude_none=True) for tool in request.tools]
-            messages = [m.for_template() for m in request.messages]
-            try:
-                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
-                                               request.add_generation_prompt, tools, request.continue_final_message,
-                                               **kwargs)  # fmt: skip
-            except Exception as err:  # the template runs on client data: whatever it raises is the client's
-                raise APIError(400, f"messages: {err}", "messages") from None
+            text = await self._render_chat(request, request.tools)
         else:
             self._need_tokenizer("prompt")
             _require_unicode(request.prompt, "prompt")
@@ -273,6 +254,23 @@ class RequestPreparer:
         ids = await asyncio.to_thread(self.tokenizer.encode, text)
         strs = [self.tokenizer.backend.id_to_token(i) for i in ids] if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def _render_chat(self, request: api.ChatCompletionRequest | api.TokenizeChatRequest,
+                           tools: list[api.Tool] | None) -> str:  # fmt: skip
+        """The conversation as the checkpoint's chat template renders it, with `tools`, and the request's generation
+        prompt (or its continued last message) and template arguments."""
+        self._need_tokenizer("messages")
+        kwargs = request.chat_template_kwargs or {}
+        reserved = {"messages", "add_generation_prompt", "continue_final_message", "tools"} & kwargs.keys()
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+        messages = [m.for_template() for m in request.messages]
+        rendered = None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
+        try:
+            return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, request.add_generation_prompt,
+                                           rendered, request.continue_final_message, **kwargs)  # fmt: skip
+        except Exception as err:  # the template runs on client data: whatever it raises is the client's
+            raise APIError(400, f"messages: {err}", "messages") from None
 
     async def detokenize(self, request: api.DetokenizeRequest) -> dict:
         """vLLM's /detokenize: the text of token ids, special tokens included."""
@@ -369,12 +367,6 @@ class RequestPreparer:
             if value:
                 pairs.append((token, float(value)))
         return tuple(pairs)
-
-
-def _check_template_kwargs(kwargs: dict) -> None:
-    reserved = {"messages", "add_generation_prompt", "continue_final_message", "tools"} & kwargs.keys()
-    if reserved:
-        raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
 
 
 def _forced_tool_call(tool_choice) -> str:
