@@ -178,16 +178,19 @@ class RequestPreparer:
             raise APIError(503, "the engine is not running")
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        vocab = self.config.vocab_size
         if not ids:
             raise APIError(400, "the prompt is empty: at least one prompt token is needed", param)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param)
+        self.check_in_vocabulary(ids, param)
         if len(ids) >= self.config.max_model_len:
             raise APIError(400, f"the prompt has {len(ids)} tokens, but --max-model-len is "
                                 f"{self.config.max_model_len}: the prompt and at least one output token must "
                                 f"fit", param, "context_length_exceeded")  # fmt: skip
+
+    def check_in_vocabulary(self, ids, param: str, name: str = "token ids") -> None:
+        vocab = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})", param)
 
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -276,10 +279,7 @@ class RequestPreparer:
         """vLLM's /detokenize: the text of token ids, special tokens included."""
         self.check_model(request.model)
         self._need_tokenizer("tokens")
-        vocab = self.config.vocab_size
-        bad = [t for t in request.tokens if t >= vocab]
-        if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        self.check_in_vocabulary(request.tokens, "tokens")
         text = await asyncio.to_thread(self.tokenizer.decode, request.tokens, False)
         return {"prompt": text}
 
@@ -290,10 +290,7 @@ class RequestPreparer:
         max_tokens = self._max_tokens(num_prompt_tokens, max_tokens, default_max_tokens)
         if logprobs is not None and logprobs > self.config.max_logprobs:
             raise APIError(400, f"at most {self.config.max_logprobs} logprobs per token, got {logprobs}", "logprobs")
-        bad = [t for t in request.stop_token_ids or () if t >= self.config.vocab_size]
-        if bad:
-            raise APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
-                                f"{self.config.vocab_size})", "stop_token_ids")  # fmt: skip
+        self.check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids", "stop_token_ids")
         params = GenerationParams(
             max_tokens=max_tokens, sampling=self._sampling(request), stop=request.stop_strings(),
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
