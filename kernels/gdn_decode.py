@@ -160,16 +160,64 @@ def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, trash_slot="las
     _, num_value_heads, dv = v.shape
     assert pool.dtype == jnp.float32 and pool.shape[2:] == (num_value_heads, q.shape[-1], dv), (pool.shape, pool.dtype)
     grid, (key_spec, value_spec, head_spec) = _tiling(q, v, tuning.block_dv)
+    return _pool_call(q, k, v, g, beta, pool, layer, slots, trash_slot, grid, (key_spec, key_spec, value_spec),
+                      value_spec, head_spec, tuning, interpret)  # fmt: skip
+
+
+def _pool_call(q, k, v, g, beta, pool, layer, slots, trash_slot, grid, qkv_specs, out_spec, head_spec, tuning,
+               interpret):  # fmt: skip
+    """The kernel's pallas_call; q, k, v may be one array under three BlockSpecs (`gdn_decode_pool_packed_pallas`)."""
     whole = pl.BlockSpec(memory_space=pl.ANY)  # no blocking: the kernel computes its pool tile from slots
+    batch, num_value_heads = g.shape
     return pl.pallas_call(
         functools.partial(_pool_decode_kernel, trash=_trash(pool, trash_slot)),
         grid=grid,
-        in_specs=[whole, whole, key_spec, key_spec, value_spec, head_spec, head_spec, whole],
-        out_specs=[value_spec, whole],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(pool.shape, jnp.float32)],
+        in_specs=[whole, whole, *qkv_specs, head_spec, head_spec, whole],
+        out_specs=[out_spec, whole],
+        out_shape=[jax.ShapeDtypeStruct((batch, num_value_heads, pool.shape[-1]), v.dtype),
+                   jax.ShapeDtypeStruct(pool.shape, jnp.float32)],
         input_output_aliases={7: 1},  # pool in -> pool out: only the step's rows are written
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_decode_pool",
     )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(slots, jnp.int32), q, k, v, g.astype(jnp.float32), beta,
       pool)  # fmt: skip
+
+
+def split_packed(qkv, pool):
+    """q [B, nk, dk], k [B, nk, dk], v [B, nv, dv] of the conv's output qkv [B, 2 nk dk + nv dv] (that order: the
+    checkpoint's in_proj_qkv rows), the head geometry read from pool [L, S, nv, dk, dv]."""
+    num_value_heads, dk, dv = pool.shape[2:]
+    key_dim = (qkv.shape[-1] - num_value_heads * dv) // 2
+    lead = qkv.shape[:-1]
+    q, k, v = jnp.split(qkv, (key_dim, 2 * key_dim), axis=-1)
+    return (q.reshape(*lead, key_dim // dk, dk), k.reshape(*lead, key_dim // dk, dk),
+            v.reshape(*lead, num_value_heads, dv))  # fmt: skip
+
+
+def gdn_decode_pool_packed_ref(qkv, g, beta, pool, layer, slots, trash_slot="last"):
+    """`gdn_decode_pool_ref` on the conv's packed output qkv [B, 2 nk dk + nv dv] (`split_packed`)."""
+    return gdn_decode_pool_ref(*split_packed(qkv, pool), g, beta, pool, layer, slots, trash_slot)
+
+
+def gdn_decode_pool_packed_pallas(qkv, g, beta, pool, layer, slots, trash_slot="last", *, interpret=False,
+                                  tuning: GdnDecodeTuning = GDN_DECODE_TUNING):  # fmt: skip
+    """`gdn_decode_pool_pallas` reading q, k and v where the conv wrote them, in one [B, 2 nk dk + nv dv] array:
+    viewed as [B, heads, d] rows of d = dk = dv (a bitcast), each of the three BlockSpecs picks its heads from it.
+    Slicing them apart first cost three copy kernels a GDN layer (1 us each at batch 1, ~3% of a 4B step). Head
+    dims that differ take the slices."""
+    num_value_heads, dk, dv = pool.shape[2:]
+    if dk != dv:
+        return gdn_decode_pool_pallas(*split_packed(qkv, pool), g, beta, pool, layer, slots, trash_slot,
+                                      interpret=interpret, tuning=tuning)  # fmt: skip
+    batch, key_heads = qkv.shape[0], (qkv.shape[-1] - num_value_heads * dv) // (2 * dk)
+    q_shape = jax.ShapeDtypeStruct((batch, key_heads, dk), qkv.dtype)  # shapes only, for the tiling
+    grid, (_, value_spec, head_spec) = _tiling(q_shape, jax.ShapeDtypeStruct((batch, num_value_heads, dv), qkv.dtype),
+                                               tuning.block_dv)  # fmt: skip
+    ratio, block_dv = num_value_heads // key_heads, value_spec.block_shape[-1]
+    rows = qkv.reshape(batch, -1, dk)
+    q_spec = pl.BlockSpec((None, None, dk), lambda b, h, j: (b, h // ratio, 0))
+    k_spec = pl.BlockSpec((None, None, dk), lambda b, h, j: (b, key_heads + h // ratio, 0))
+    v_spec = pl.BlockSpec((None, None, block_dv), lambda b, h, j: (b, 2 * key_heads + h, j))
+    return _pool_call(rows, rows, rows, g, beta, pool, layer, slots, trash_slot, grid, (q_spec, k_spec, v_spec),
+                      value_spec, head_spec, tuning, interpret)  # fmt: skip

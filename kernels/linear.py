@@ -121,16 +121,22 @@ def fits_kernel(x_shape, w_shape, block_n: int, block_k: int, max_rows: int) -> 
     )
 
 
-def linear_pallas(x, w, *, tuning: LinearTuning = LinearTuning(), interpret: bool = False):
-    """Pallas form of `linear_ref` (same layouts and rounding; fp32 sums in a different order). Rows beyond
-    tuning.max_rows, and shapes the tiles do not divide, take `linear_ref`. The tiles are tuning's, cut to the
-    largest power of two dividing N and K, so one tuning serves every product of a model."""
+def linear_parts_ref(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`linear_ref` as one part, [1, ..., N] (`linear_parts_pallas`'s form)."""
+    return linear_ref(x, w)[None]
+
+
+def linear_parts_pallas(x, w, *, tuning: LinearTuning = LinearTuning(), interpret: bool = False):
+    """The product as the kernel's K-split partial sums [splits, ..., N], fp32 (or one part in x's dtype when K is
+    not split): a consumer that sums them itself (`kernels.residual_norm`) saves the sum's kernel. Rows beyond
+    tuning.max_rows, and shapes the tiles do not divide, take `linear_parts_ref`. The tiles are tuning's, cut to
+    the largest power of two dividing N and K, so one tuning serves every product of a model."""
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={k}")
     block_n, block_k = _tile(n, tuning.block_n), _tile(k, tuning.block_k)
     if not fits_kernel(x.shape, w.shape, block_n, block_k, tuning.max_rows):
-        return linear_ref(x, w)
+        return linear_parts_ref(x, w)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -149,5 +155,11 @@ def linear_pallas(x, w, *, tuning: LinearTuning = LinearTuning(), interpret: boo
         interpret=interpret,
         name="linear",
     )(x2, w)  # fmt: skip
-    out = out[0] if splits == 1 else out.sum(axis=0)
-    return out.astype(x.dtype).reshape(*lead, n)
+    return out.reshape(splits, *lead, n)
+
+
+def linear_pallas(x, w, *, tuning: LinearTuning = LinearTuning(), interpret: bool = False):
+    """Pallas form of `linear_ref` (same layouts and rounding; fp32 sums in a different order): the partial sums
+    of `linear_parts_pallas`, added by XLA, which fuses the sum into the consumer."""
+    parts = linear_parts_pallas(x, w, tuning=tuning, interpret=interpret)
+    return (parts[0] if parts.shape[0] == 1 else parts.sum(axis=0)).astype(x.dtype)

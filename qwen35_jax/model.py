@@ -29,7 +29,8 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
-from qwen35_jax.kernels.linear import linear_ref
+from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref
+from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
 
 # Fused input projections whose inputs are more rows than this (prefill chunks) multiply each part's rows of the
 # fused weight apart: XLA's GEMM over the fused shapes made an 8192-token 4B prefill 173 ms against 154 ms on the
@@ -59,13 +60,6 @@ def _param(shape, dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Zero-centred RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-
-
 def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
     """The MLP's activation: silu(gate) rounded to the model dtype, times up (the exact product of two bf16
     values fits fp32, so this rounds once, as a bf16 multiply does)."""
@@ -80,6 +74,10 @@ class Linear(nnx.Module):
     def __call__(self, x, linear=linear_ref):
         """linear: the product's implementation, `linear_ref`'s signature (the step's `Mixers.linear`)."""
         return linear(x, self.weight[...])
+
+    def parts(self, x, linear_parts=linear_parts_ref):
+        """The product as partial sums [S, ..., out] (the step's `Mixers.linear_parts`), for `Mixers.residual_norm`."""
+        return linear_parts(x, self.weight[...])
 
 
 class Weight(nnx.Module):
@@ -98,6 +96,10 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
+
+    def after_residual(self, h, parts, mixers: Mixers):
+        """(h + the product `parts`' sum, the norm of that): the residual add and this norm in one kernel."""
+        return mixers.residual_norm(h, parts, self.weight[...], eps=self.eps)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -130,16 +132,17 @@ def _projections(cfg: Qwen35Config, name: str, module: Linear, x, linear) -> lis
 
 
 class MLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)), gate and up as one [2 x intermediate, hidden] weight."""
+    """down(silu(gate(x)) * up(x)), gate and up as one [2 x intermediate, hidden] weight; down's output as partial
+    sums (`Linear.parts`), which the next norm adds to the residual."""
 
     def __init__(self, cfg: Qwen35Config, dtype):
         self.cfg = cfg
         self.gate_up_proj = _fused_linear(cfg, "gate_up_proj", cfg.hidden_size, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
-    def __call__(self, x, linear=linear_ref):
+    def __call__(self, x, linear=linear_ref, linear_parts=linear_parts_ref):
         gate, up = _projections(self.cfg, "gate_up_proj", self.gate_up_proj, x, linear)
-        return self.down_proj(silu_mul(gate, up), linear)
+        return self.down_proj.parts(silu_mul(gate, up), linear_parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,8 +210,7 @@ class GatedDeltaNet(nnx.Module):
         and one write of each (gathering them into the step and scattering them back took three)."""
         slots, weight = ctx.inputs.decode.slots, self.conv1d.weight[...][:, 0, :]
         mixed, conv_pool = ctx.mixers.conv_update(mixed, weight, pools.conv, layer, slots)
-        q, k, v = self._split_qkv(mixed)
-        out, ssm_pool = ctx.mixers.gdn_decode(q, k, v, g, beta, pools.ssm, layer, slots)
+        out, ssm_pool = ctx.mixers.gdn_decode(mixed, g, beta, pools.ssm, layer, slots)
         return out, dataclasses.replace(pools, ssm=ssm_pool, conv=conv_pool)
 
     def _prefill(self, ctx, mixed, g, beta, state: GdnState):
@@ -220,7 +222,8 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x, state: GdnState | None, ctx: StepContext, pools: KVPages, layer):
         """x [N, hidden]; state: this layer's prefill rows' states (None in a step without prefill rows); the decode
-        rows' states are GDN layer `layer` of pools.ssm and pools.conv. Returns (out_proj's output, new state, pools)."""
+        rows' states are GDN layer `layer` of pools.ssm and pools.conv. Returns (out_proj's output as partial sums,
+        new state, pools)."""
         linear = ctx.mixers.linear
         mixed, z, b, a = _projections(self.cfg, "in_proj", self.in_proj, x, linear)
         beta = jax.nn.sigmoid(b)
@@ -236,7 +239,7 @@ class GatedDeltaNet(nnx.Module):
             outs.append(out.reshape(-1, *out.shape[-2:]))
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv, dv]
         out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)
-        return self.out_proj(out, linear), state, pools
+        return self.out_proj.parts(out, ctx.mixers.linear_parts), state, pools
 
 
 def rotate_half(x):
@@ -300,7 +303,8 @@ class Attention(nnx.Module):
                                                  side.lengths)  # fmt: skip
         out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
         out = (out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)
-        return self.o_proj(out, ctx.mixers.linear), dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
+        out = self.o_proj.parts(out, ctx.mixers.linear_parts)
+        return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 
 
 class DecoderLayer(nnx.Module):
@@ -313,18 +317,18 @@ class DecoderLayer(nnx.Module):
             self.self_attn = Attention(cfg, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def __call__(self, h, cache: KVPages, layer, state: GdnState | None, ctx: StepContext, linear_layer=None):
-        """h [N, hidden], the residual stream, in and out. A linear layer reads and returns its prefill rows'
-        GdnState and updates the decode rows' in the pools (its index there: linear_layer); the attention layer
-        writes its K/V pages (its index: layer)."""
-        x = self.input_layernorm(h)
+    def __call__(self, h, pending, cache: KVPages, layer, state: GdnState | None, ctx: StepContext, linear_layer=None):
+        """h [N, hidden], the residual stream, in and out, with `pending`, the partial sums of the last product
+        still to be added to it (the previous layer's MLP output: each add is fused with the norm after it). A
+        linear layer reads and returns its prefill rows' GdnState and updates the decode rows' in the pools (its
+        index there: linear_layer); the attention layer writes its K/V pages (its index: layer)."""
+        h, x = self.input_layernorm.after_residual(h, pending, ctx.mixers)
         if hasattr(self, "linear_attn"):
             out, state, cache = self.linear_attn(x, state, ctx, cache, linear_layer)
         else:
             out, cache = self.self_attn(x, cache, layer, ctx)
-        h = h + out
-        h = h + self.mlp(self.post_attention_layernorm(h), ctx.mixers.linear)
-        return h, cache, state
+        h, x = self.post_attention_layernorm.after_residual(h, out, ctx.mixers)
+        return h, self.mlp(x, ctx.mixers.linear, ctx.mixers.linear_parts), cache, state
 
 
 class LayerGroup(nnx.Module):
@@ -335,18 +339,18 @@ class LayerGroup(nnx.Module):
         kinds = cfg.layer_types[: cfg.group_size]
         self.layers = nnx.List([DecoderLayer(cfg, kind, dtype) for kind in kinds])
 
-    def __call__(self, h, cache: KVPages, group, states: GdnState | None, ctx: StepContext):
-        """states: [linear_per_group, P, ...] for this group's GDN layers (None without prefill rows); returns
-        them updated."""
+    def __call__(self, h, pending, cache: KVPages, group, states: GdnState | None, ctx: StepContext):
+        """h and pending: `DecoderLayer`'s; states: [linear_per_group, P, ...] for this group's GDN layers (None
+        without prefill rows); returns them updated."""
         new_states = []
         linear_per_group = len(self.layers) - 1
         for j, layer in enumerate(self.layers):
             linear = j < linear_per_group
             state = jax.tree.map(lambda x, j=j: x[j], states) if linear and states is not None else None
-            h, cache, state = layer(h, cache, group, state, ctx, group * linear_per_group + j)
+            h, pending, cache, state = layer(h, pending, cache, group, state, ctx, group * linear_per_group + j)
             if linear:
                 new_states.append(state)
-        return h, cache, None if states is None else jax.tree.map(lambda *xs: jnp.stack(xs), *new_states)
+        return h, pending, cache, None if states is None else jax.tree.map(lambda *xs: jnp.stack(xs), *new_states)
 
 
 class Embedding(nnx.Module):
@@ -469,13 +473,15 @@ def forward(
     kv = KVPages(cache.k_pages, cache.v_pages, *((cache.ssm, cache.conv) if has_decode else ()))
 
     def body(carry, xs):
-        h, kv = carry
+        h, pending, kv = carry
         group_params, group_index, group_states = xs
-        h, kv, group_states = nnx.merge(model.group, group_params)(h, kv, group_index, group_states, ctx)
-        return (h, kv), group_states
+        group = nnx.merge(model.group, group_params)
+        h, pending, kv, group_states = group(h, pending, kv, group_index, group_states, ctx)
+        return (h, pending, kv), group_states
 
     xs = (params["groups"], jnp.arange(cfg.num_groups, dtype=jnp.int32), states)
-    (h, kv), states = _layer_loop(body, (h, kv), xs)
+    (h, pending, kv), states = _layer_loop(body, (h, _no_pending(h, cfg, mixers), kv), xs)
+    h = h + residual_delta(pending, h.dtype)
     ssm_pool, conv_pool = (kv.ssm, kv.conv) if has_decode else (cache.ssm, cache.conv)
     if states is not None:  # the prefill rows' states go back to their slots
         slots = inputs.prefill.slots
@@ -487,15 +493,25 @@ def forward(
     return top.logits(h[_logit_rows(inputs, all_prefill_logits)]), cache
 
 
+def _no_pending(h, cfg: Qwen35Config, mixers: Mixers) -> jax.Array:
+    """Zero partial sums in the form the MLP's down projection gives them, for the first layer's residual add."""
+    down_in = jax.ShapeDtypeStruct((*h.shape[:-1], cfg.intermediate_size), h.dtype)
+    down_weight = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.intermediate_size), h.dtype)
+    parts = jax.eval_shape(mixers.linear_parts, down_in, down_weight)
+    return jnp.zeros(parts.shape, parts.dtype)
+
+
 def _layer_loop(body, carry, xs):
     """xs = (group params, group indices, states), each on a leading [groups] axis, except per-group params
     (`unstack_groups`): a tuple of trees, which the groups run over as a Python loop instead of a scan."""
-    group_params, *rest = xs
+    group_params, _, states = xs
     if not isinstance(group_params, tuple):
         return lax.scan(body, carry, xs)
     outs = []
     for index, params in enumerate(group_params):
-        carry, out = body(carry, (params, *jax.tree.map(lambda x, i=index: x[i], tuple(rest))))
+        # The group index goes in as a Python int, so every layer index is a constant of the program: traced, each
+        # GDN layer computed its pool index in two kernels of its own (~3 us a layer at batch 1 on the H200).
+        carry, out = body(carry, (params, index, jax.tree.map(lambda x, i=index: x[i], states)))
         outs.append(out)
     return carry, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
 

@@ -34,6 +34,8 @@ from _lowering import lower_for_h200
 
 from qwen35_jax.kernels.gdn_decode import (
     GDN_DECODE_TUNING,
+    gdn_decode_pool_packed_pallas,
+    gdn_decode_pool_packed_ref,
     gdn_decode_pool_pallas,
     gdn_decode_pool_ref,
     gdn_decode_ref,
@@ -194,6 +196,29 @@ def run_pool_steps(batch, nk, nv, dk, dv, dtype, layers, padding=0, block_dv=Non
 def test_pool_matches_ref_over_steps(batch, nk, nv, dk, dv, block_dv, padding, dtype):
     """Four steps at layers 1, 2, 2, 0: non-zero layers, the same rows carried twice in a row, and layer 0."""
     run_pool_steps(batch, nk, nv, dk, dv, dtype, layers=[1, 2, 2, 0], padding=padding, block_dv=block_dv, seed=batch)
+
+
+@pytest.mark.parametrize(
+    "nk, nv, dk, dv",
+    [(2, 4, 16, 16), (2, 2, 128, 128), (2, 4, 16, 32)],
+    ids=["ratio2", "head-dims-128-ratio1", "dk-ne-dv-slices"],
+)
+def test_packed_reads_q_k_v_from_the_conv_output(nk, nv, dk, dv):
+    """The packed entry point on [q | k | v] side by side equals the pool kernel on the three slices, bit for bit
+    (the same programs on the same values; a wrong head offset into the packed rows reads another head), and the
+    packed reference equals the pool reference; padding rows included."""
+    rng = np.random.default_rng(11)
+    pool, real, trash = pool_case(rng, 3, nv, dk, dv)
+    slots = jnp.asarray(np.concatenate([rng.permutation(real), [trash]]), jnp.int32)
+    q, k, v, g, beta = step_inputs(jax.random.PRNGKey(12), 4, nk, nv, dk, dv, jnp.bfloat16)
+    qkv = jnp.concatenate([q.reshape(4, -1), k.reshape(4, -1), v.reshape(4, -1)], axis=-1)
+    packed = jax.jit(lambda *a: gdn_decode_pool_packed_pallas(*a, interpret=True))(qkv, g, beta, pool, 1, slots)
+    apart = jax.jit(lambda *a: gdn_decode_pool_pallas(*a, interpret=True))(q, k, v, g, beta, pool, 1, slots)
+    for got, want in zip(packed, apart, strict=True):
+        np.testing.assert_array_equal(np.float32(got), np.float32(want))
+    for got, want in zip(gdn_decode_pool_packed_ref(qkv, g, beta, pool, 1, slots),
+                         gdn_decode_pool_ref(q, k, v, g, beta, pool, 1, slots), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.float32(got), np.float32(want))
 
 
 def test_pool_ref_is_gather_ref_scatter():

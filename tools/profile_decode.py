@@ -121,6 +121,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
     parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
+    parser.add_argument("--sequence-out", default=None,
+                        help="write the last step's kernels in order here, a line each: start and duration in us, "
+                             "the idle gap before it, and the name")  # fmt: skip
     args = parser.parse_args()
     model = load_model(args.model, kernels=args.kernels)
     # Every row must still be decoding when the last prompt is in: prompts are prefilled one chunk a step, so the
@@ -176,6 +179,20 @@ def main() -> None:
     if args.hlo_out:
         with open(args.hlo_out, "w") as f:
             f.write(hlo)
+    if args.sequence_out:
+        with open(args.sequence_out, "w") as f:
+            f.write(kernel_sequence(kernels, args.steps))
+
+
+def kernel_sequence(kernels: list[dict], steps: int) -> str:
+    """The last step's kernels in start order (a step is len(kernels) / steps kernels), a line each:
+    start offset, duration and the device's idle gap before the kernel, in us, then its name."""
+    ordered = sorted(kernels, key=lambda e: e["ts"])[-(len(kernels) // steps) :]
+    lines, end, first = [], ordered[0]["ts"], ordered[0]["ts"]
+    for e in ordered:
+        lines.append(f"{e['ts'] - first:9.1f} {e['dur']:8.2f} {max(0.0, e['ts'] - end):7.2f} {e['name'][:100]}")
+        end = max(end, e["ts"] + e["dur"])
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
