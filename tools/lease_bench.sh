@@ -75,6 +75,8 @@ case $stage in
     python3 -m qwen35_jax.cli -v serve "${flags[@]}" >"$out/http/server_warm.log" 2>&1 &
     server=$!
     echo "warm_ready_s $(wait_ready $port "$out/http/server_warm.log")" | tee -a "$out/http/ready.txt"
+    kill $server; wait $server 2>/dev/null || true  # stopped here, so the stage exits 0 rather than the kill's 143
+    trap - EXIT
     ;;
   report)
     peer=()
