@@ -49,13 +49,16 @@ class StepClock:
     """Wall time of each engine.step() call with the plan it launched; in steady state one step() is
     launch(N) + wait(N-1), so its duration is the device time of one step, unless the host is slower.
     To tell which, each record also holds the host time of the launch (inputs built and the program
-    dispatched) and of processing the previous step (its fetch, which blocks until the device is done, and
-    the host work on its tokens): a step whose fetch takes no time was waited for by nobody, i.e. the host
-    is the bottleneck."""
+    dispatched), of processing the previous step (its fetch, which blocks until the device is done, and
+    the host work on its tokens), and of the part of that fetch spent waiting for the device: launch plus
+    processing less the wait is the host's own work a step. A step whose wait is ~0 was waited for by
+    nobody, i.e. the host is the bottleneck."""
 
     records: list = dataclasses.field(default_factory=list)
 
     def run(self, engine, until) -> None:
+        import jax
+
         launch, process = engine.runner.launch, engine._process
         spent = {}
 
@@ -69,7 +72,15 @@ class StepClock:
 
             return wrapper
 
-        engine.runner.launch, engine._process = timed("launch", launch), timed("process", process)
+        def launch_with_timed_wait(*args, **kwargs):
+            handle = timed("launch", launch)(*args, **kwargs)
+            if handle is not None:  # its fetch first waits for the device, timed apart, then reads the outputs
+                fetch = handle.fetch
+                wait = timed("wait", lambda: jax.block_until_ready([x for x in handle.outputs if x is not None]))
+                handle.fetch = lambda: (wait(), fetch())[1]
+            return handle
+
+        engine.runner.launch, engine._process = launch_with_timed_wait, timed("process", process)
         try:
             while not until():
                 plan_before = engine.scheduler._next_step_id
@@ -77,7 +88,8 @@ class StepClock:
                 start = time.perf_counter()
                 engine.step()
                 self.records.append((plan_before, engine._in_flight, time.perf_counter() - start,
-                                     spent.get("launch", 0.0), spent.get("process", 0.0)))  # fmt: skip
+                                     spent.get("launch", 0.0), spent.get("process", 0.0),
+                                     spent.get("wait", 0.0)))  # fmt: skip
         finally:
             engine.runner.launch, engine._process = launch, process
 
@@ -121,7 +133,7 @@ def bench_decode(engine, cfg, batch: int, context: int, steps: int, rng) -> dict
     full = [times for _, handle, *times in clock.records
             if handle is not None and handle.plan.action == "decode" and len(handle.plan.decode) == batch]  # fmt: skip
     measured = full[2 : 2 + steps]  # skip the first full steps: the previous step may still be a prefill
-    steady = [seconds for seconds, _, _ in measured]
+    steady = [seconds for seconds, *_ in measured]
     tpot = statistics.median(steady)
     floor = decode_floor_bytes(cfg, batch, context) / HBM_BYTES_PER_S
     return {
@@ -130,6 +142,10 @@ def bench_decode(engine, cfg, batch: int, context: int, steps: int, rng) -> dict
         "floor_ms": floor * 1e3, "ratio_to_floor": tpot / floor, "roofline_fraction": floor / tpot,
         "host_launch_ms": statistics.median(m[1] for m in measured) * 1e3,
         "host_fetch_and_process_ms": statistics.median(m[2] for m in measured) * 1e3,
+        "host_device_wait_ms": statistics.median(m[3] for m in measured) * 1e3,
+        # The host's own work a step: launch and processing, the wait for the device excluded.
+        "host_own_ms": statistics.median(m[1] + m[2] - m[3] for m in measured) * 1e3,
+        "host_share_of_step": statistics.median(m[1] + m[2] - m[3] for m in measured) / tpot,
     }  # fmt: skip
 
 
