@@ -328,6 +328,152 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+# ---- the Responses API (POST /v1/responses) ----------------------------------------------------------------
+# The text-only subset of OpenAI's Responses API that vLLM serves: messages, function tools and their calls and
+# outputs, instructions, structured text, and `previous_response_id` over responses this server stored.
+
+
+class InputText(_Strict):
+    """A text part of an input message (`input_text`), or of an assistant message given back (`output_text`)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an echoed output_text's; always empty here
+    logprobs: list[Any] | None = None
+
+
+def _message_type(item: Any) -> Any:
+    """An input item without a `type` is a message (OpenAI's EasyInputMessage)."""
+    if isinstance(item, dict) and "type" not in item and "role" in item:
+        return {**item, "type": "message"}
+    return item
+
+
+class InputMessage(BaseModel):
+    # An output message given back as input carries its id, status and phase: conversation data, dropped.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["message"]
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # id, status: the output item's, given back
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+class ReasoningText(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning output item given back: its text becomes the next assistant turn's reasoning."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or self.summary)
+
+
+InputItem = Annotated[
+    Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem, Field(discriminator="type")],
+    BeforeValidator(_message_type),
+]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^<>\n]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments are parsed from the model's text; nothing is enforced either way
+
+    def as_chat_tool(self) -> Tool:
+        return Tool(type="function", function=FunctionDefinition(name=self.name, description=self.description,
+                                                                 parameters=self.parameters))  # fmt: skip
+
+
+class FunctionToolChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    """`text.format`: OpenAI's response_format with the json_schema fields inline."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
+    description: str | None = None
+    json_schema: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class TextOptions(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningOptions(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: Annotated[Int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=512)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" (dropping earlier turns to fit) is not implemented
+    background: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    include: Annotated[list[str], Field(max_length=0)] | None = None
+    # vLLM's sampling extensions
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    seed: Annotated[Int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+
+
 # ---- tokenization (vLLM's /tokenize and /detokenize) ------------------------------------------------------
 
 

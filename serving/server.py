@@ -22,6 +22,7 @@ submission's disconnect watcher, and its request is aborted at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -39,6 +40,7 @@ from qwen35_jax.serving.metrics import CONTENT_TYPE, ServingMetrics
 from qwen35_jax.serving.middleware import Gate
 from qwen35_jax.serving.prompts import Prepared, RequestPreparer
 from qwen35_jax.serving.responses import ResponseBuilder
+from qwen35_jax.serving.responses_api import ResponsesAPI, renamed, to_chat
 from qwen35_jax.serving.scheduler import RequestRejected
 from qwen35_jax.serving.server_config import ServerConfig
 from qwen35_jax.serving.submission import Submission
@@ -60,6 +62,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.preparer = RequestPreparer(engine, tokenizer, config)
         self.responses = ResponseBuilder(config.served_model_name, LogprobFormatter(tokenizer))
+        self.responses_api = ResponsesAPI(config.served_model_name)
 
     @property
     def version(self) -> str:
@@ -130,6 +133,24 @@ class OpenAIServer:
         finally:
             for submission in submissions:
                 submission.close()
+        return JSONResponse(body)
+
+    async def respond(self, request: api.ResponsesRequest, http_request: HTTPRequest) -> Response:
+        """A Responses API request, answered through the chat path (responses_api.py)."""
+        try:
+            chat, conversation = to_chat(request, self.responses_api.store)
+            (choice,) = await self.preparer.chat(chat)
+        except APIError as error:
+            raise renamed(error) from None
+        choice = dataclasses.replace(choice, response_id="resp_" + choice.request_id.removeprefix("chatcmpl-"))
+        (submission,) = self.submit_all([choice], http_request)
+        if request.stream:
+            return StreamingResponse(self.responses_api.stream(request, submission, conversation),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+        try:
+            body = await self.responses_api.answer(request, submission, conversation)
+        finally:
+            submission.close()
         return JSONResponse(body)
 
     def error_response(self, status: int, message: str, param: str | None = None, code: str | None = None):
@@ -211,3 +232,16 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     async def chat_completions(body: api.ChatCompletionRequest, request: HTTPRequest):
         prepared = await server.preparer.chat(body)
         return await server.answer(prepared, request, body.stream, chat=True)
+
+    @app.post("/v1/responses", responses=ERROR_RESPONSES)
+    async def create_response(body: api.ResponsesRequest, request: HTTPRequest):
+        return await server.respond(body, request)
+
+    @app.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def retrieve_response(response_id: str):
+        return JSONResponse(server.responses_api.store.body(response_id))
+
+    @app.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def delete_response(response_id: str):
+        server.responses_api.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

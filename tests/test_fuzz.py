@@ -35,7 +35,8 @@ def operations(schema) -> list:
 def test_the_schema_lists_every_endpoint(schema):
     names = {f"{op.method.upper()} {op.path}" for op in operations(schema)}
     expected = {"GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions",
-                "GET /v1/models/{model_id}", "GET /version", "POST /tokenize", "POST /detokenize"}  # fmt: skip
+                "GET /v1/models/{model_id}", "GET /version", "POST /tokenize", "POST /detokenize", "POST /v1/responses",
+                "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"}  # fmt: skip
     assert expected <= names
 
 
@@ -63,3 +64,4 @@ def test_fuzzing_finds_no_server_error(idle_server, schema, mode):
         check()
     if mode == "positive":  # the fuzz reached the engine, not only the validation layer
         assert statuses[("/v1/completions", 200)] + statuses[("/v1/chat/completions", 200)] > 0, statuses
+        assert statuses[("/v1/responses", 200)] > 0, statuses
