@@ -350,9 +350,9 @@ class Engine:
         self.scheduler.token_read(request_id)
         if gen.grammar.accept(token):
             return True
-        message = f"the response_format grammar failed at output token {len(gen.output_ids)}: {gen.grammar.error}"
+        message = f"the {gen.grammar.param} grammar failed at output token {len(gen.output_ids)}: {gen.grammar.error}"
         log.error("%s: %s", request_id, message)
-        self._finish(request_id, "error", emit=True, error=message, error_param="response_format")
+        self._finish(request_id, "error", emit=True, error=message, error_param=gen.grammar.param)
         return False
 
     def _is_stop_token(self, gen: Generation, token: int) -> bool:

@@ -92,7 +92,7 @@ class RequestPreparer:
             self._need_tokenizer("echo")
         prompt_logprobs = self._prompt_logprobs(request)
         texts, prompts = await self.completion_prompts(request)
-        grammar = await self.grammar(request.response_format)
+        grammar = await self.grammar(request)
         params = [self.generation_params(request, len(ids), request.max_tokens,
                                          self.config.default_completion_max_tokens, request.logprobs,
                                          prompt_logprobs=prompt_logprobs, grammar=grammar)
@@ -132,7 +132,7 @@ class RequestPreparer:
 
     async def chat(self, request: api.ChatCompletionRequest) -> list[Prepared]:
         self.check_request(request)
-        grammar = await self.grammar(request.response_format)
+        grammar = await self.grammar(request)
         ids, output_format = await self.chat_prompt(request, structured=grammar is not None)
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -309,20 +309,22 @@ class RequestPreparer:
             raise APIError(400, f"min_tokens holds back {held} end tokens, which with {len(params.sampling.logit_bias)} "
                                 f"logit_bias entries exceed the {MAX_LOGIT_BIAS} a request may have", "min_tokens")  # fmt: skip
 
-    async def grammar(self, response_format: api.ResponseFormat | None) -> Grammar | None:
-        """The compiled grammar of a structured response_format (None for none or `text`). It compiles off the
-        event loop: a large schema takes milliseconds."""
-        if response_format is None or not response_format.constrains:
+    async def grammar(self, request: api.SamplingFields) -> Grammar | None:
+        """The compiled grammar of the request's constraint on its answer (`SamplingFields.constraint`: a structured
+        response_format, or vLLM's structured_outputs / guided_*), or None. It compiles off the event loop: a
+        large schema takes milliseconds."""
+        constraint = request.constraint()
+        if constraint is None:
             return None
         if self.grammars is None:
-            raise APIError(400, f"model {self.config.served_model_name!r} has no tokenizer, which response_format "
-                                "needs", "response_format")  # fmt: skip
+            raise APIError(400, f"model {self.config.served_model_name!r} has no tokenizer, which {constraint.param} "
+                                "needs", constraint.param)  # fmt: skip
         try:
-            if response_format.type == "json_object":
-                return await asyncio.to_thread(self.grammars.json_object)
-            return await asyncio.to_thread(self.grammars.json_schema, response_format.json_schema.json_schema)
+            grammar = await asyncio.to_thread(self.grammars.compile, constraint.kind, constraint.value)
         except GrammarError as err:
-            raise APIError(400, f"response_format: the schema cannot be used: {err}", "response_format") from None
+            raise APIError(400, f"{constraint.param}: the constraint cannot be used: {err}", constraint.param) from None
+        grammar.param = constraint.param
+        return grammar
 
     def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, default_max_tokens: int) -> int:
         """The request's max_tokens, or the default capped by the context left; checked against the engine."""

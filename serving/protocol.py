@@ -9,6 +9,7 @@ depend on the served model (vocabulary, context length, logprob count) are check
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Annotated, Any, Literal
 
@@ -65,6 +66,29 @@ class ResponseFormat(_Strict):
         return self.type != "text"
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one constraint on the answer's text. `json` is a JSON schema (an object, or
+    that object as a JSON string), `regex` a regular expression the whole answer matches, `choice` a list of the
+    only answers allowed, `grammar` a Lark grammar (llguidance's dialect), `json_object` any JSON object."""
+
+    # `json` would shadow pydantic's BaseModel.json; the alias keeps vLLM's key.
+    json_schema: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """A request's constraint on its answer, from whichever parameter set it: kind is json_schema, json_object,
+    regex, choice or grammar; param names the parameter (errors name it)."""
+
+    kind: str
+    value: Any
+    param: str
+
+
 class SamplingFields(_Strict):
     """What completions and chat completions share."""
 
@@ -90,6 +114,36 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: bool = False  # vLLM's
     min_tokens: Annotated[Int, Field(ge=0)] = 0  # vLLM's: no end of sequence, stop token or stop string before it
     skip_special_tokens: bool = True  # vLLM's
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    # vLLM's earlier names of structured_outputs' fields, still sent by its older clients
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+
+    def constraints(self) -> list[Constraint]:
+        """Every constraint the request sets (`_shared_problems` refuses more than one)."""
+        found = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            found.append(Constraint("json_object", None, "response_format"))
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            schema = self.response_format.json_schema
+            found.append(Constraint("json_schema", None if schema is None else schema.json_schema, "response_format"))
+        fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True) if self.structured_outputs else {}
+        for name, kind in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"),
+                           ("grammar", "grammar"), ("json_object", "json_object")):  # fmt: skip
+            if name in fields and fields[name] is not False:
+                found.append(Constraint(kind, fields[name], f"structured_outputs.{name}"))
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):  # fmt: skip
+            if getattr(self, name) is not None:
+                found.append(Constraint(kind, getattr(self, name), name))
+        return found
+
+    def constraint(self) -> Constraint | None:
+        """The request's constraint on its answer, or None."""
+        found = self.constraints()
+        return found[0] if found else None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -99,9 +153,18 @@ class SamplingFields(_Strict):
 
 def _shared_problems(request: SamplingFields) -> list[tuple[str, str]]:
     problems = []
-    if request.min_tokens and request.response_format is not None and request.response_format.constrains:
-        problems.append(("min_tokens", "min_tokens cannot hold back the end of an answer that response_format "
-                                       "ends when its JSON is complete"))  # fmt: skip
+    constraints = request.constraints()
+    if request.structured_outputs is not None and not any(
+        c.param.startswith("structured_outputs") for c in constraints
+    ):
+        problems.append(("structured_outputs", "structured_outputs sets no constraint: give one of json, regex, "
+                                               "choice, grammar or json_object"))  # fmt: skip
+    if len(constraints) > 1:
+        problems.append((constraints[1].param, f"{constraints[1].param} and {constraints[0].param} both constrain the "
+                                               "answer: set one"))  # fmt: skip
+    if request.min_tokens and constraints:
+        problems.append(("min_tokens", f"min_tokens cannot hold back the end of an answer that {constraints[0].param} "
+                                       "ends when it is complete"))  # fmt: skip
     if request.stream_options is not None and not request.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
     problems += _response_format_problems(request.response_format)
@@ -212,16 +275,16 @@ def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> li
             problems.append(("tool_choice", f"tool_choice names {request.tool_choice.function.name!r}, which is not "
                                             f"in tools ({', '.join(sorted(names))})"))  # fmt: skip
     forced_call = request.tool_choice not in (None, "none", "auto")
-    if forced_call and request.response_format is not None and request.response_format.constrains:
-        problems.append(("response_format", "response_format cannot constrain an answer that tool_choice forces to "
-                                            "be a tool call"))  # fmt: skip
+    constraint = request.constraint()
+    if forced_call and constraint is not None:
+        problems.append((constraint.param, f"{constraint.param} cannot constrain an answer that tool_choice forces to "
+                                           "be a tool call"))  # fmt: skip
     if request.top_logprobs is not None and not request.logprobs:
         problems.append(("top_logprobs", "top_logprobs needs logprobs=true"))
     problems += continuation_problems(request)
-    shaped = forced_call or (request.response_format is not None and request.response_format.constrains)
-    if request.continue_final_message and shaped:
+    if request.continue_final_message and (forced_call or constraint is not None):
         problems.append(("continue_final_message", "continue_final_message cannot continue an answer that "
-                                                   "tool_choice or response_format shapes from its start"))  # fmt: skip
+                                                   "tool_choice or a structured output shapes from its start"))  # fmt: skip
     return problems
 
 

@@ -1,6 +1,8 @@
-"""Structured output: a request's `response_format` as a grammar over the vocabulary, walked token by token.
+"""Structured output: a request's constraint on its answer as a grammar over the vocabulary, walked token by token.
 
-llguidance (docs/structured_output.md says why this library) compiles a JSON schema against the served
+The constraint is OpenAI's `response_format` (a JSON schema or any JSON object) or vLLM's `structured_outputs`
+(also a regular expression, a list of choices or a Lark grammar; its older `guided_*` names too).
+llguidance (docs/structured_output.md says why this library) compiles it against the served
 tokenizer into a matcher that says, before each token, which tokens may come next. The HTTP side compiles
 (`GrammarCompiler`, off the event loop, so a bad schema is a 400 before anything is queued); the compiled
 `Grammar` is never advanced, and each engine request walks its own `GrammarState` copy of it on the engine
@@ -16,7 +18,9 @@ without an end, so a model can spend every token on it, and the grammar would ne
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 
 import llguidance
@@ -49,19 +53,48 @@ class GrammarCompiler:
                                                 eos_token=sorted(eos_token_ids))  # fmt: skip
         log.info("structured output: the tokenizer's token trie for llguidance took %.2fs", time.perf_counter() - start)
 
-    def json_schema(self, schema: dict) -> Grammar:
-        """Raises GrammarError for a schema llguidance cannot compile (invalid, or a feature it lacks)."""
+    def json_schema(self, schema: dict | str) -> Grammar:
+        """Raises GrammarError for a schema llguidance cannot compile (invalid, or a feature it lacks); a string is
+        the schema as JSON text."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as err:
+                raise GrammarError(f"the schema is not valid JSON: {err}") from None
+        if not isinstance(schema, dict):
+            raise GrammarError("a JSON schema is an object")
+        return self._compile(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
+
+    def json_object(self, _: object = None) -> Grammar:
+        return self.json_schema(ANY_JSON_OBJECT)
+
+    def regex(self, pattern: str) -> Grammar:
+        """The whole answer matches `pattern` (llguidance's syntax: Rust's regex crate's)."""
+        return self._compile(lambda: llguidance.LLMatcher.grammar_from_regex(pattern))
+
+    def choice(self, choices: list[str]) -> Grammar:
+        """The answer is one of `choices`, exactly."""
+        return self.regex("(" + "|".join(re.escape(choice) for choice in choices) + ")")
+
+    def lark(self, grammar: str) -> Grammar:
+        """The answer is a sentence of a Lark grammar (llguidance's dialect; it starts at `start`)."""
+        return self._compile(lambda: llguidance.LLMatcher.grammar_from_lark(grammar))
+
+    def compile(self, kind: str, value) -> Grammar:
+        """The grammar of a `protocol.Constraint`'s kind and value."""
+        build = {"json_schema": self.json_schema, "json_object": self.json_object, "regex": self.regex,
+                 "choice": self.choice, "grammar": self.lark}[kind]  # fmt: skip
+        return build(value)
+
+    def _compile(self, grammar_text) -> Grammar:
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            grammar = grammar_text()
         except ValueError as err:
-            raise GrammarError(str(err)) from None
+            raise GrammarError(_first_line(str(err))) from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
         return Grammar(matcher, mask_words(self.vocab_size))
-
-    def json_object(self) -> Grammar:
-        return self.json_schema(ANY_JSON_OBJECT)
 
 
 def _first_line(message: str) -> str:
@@ -69,21 +102,23 @@ def _first_line(message: str) -> str:
 
 
 class Grammar:
-    """A compiled grammar at its start, shared by the choices of one request and never advanced itself."""
+    """A compiled grammar at its start, shared by the choices of one request and never advanced itself. `param`
+    names the request parameter it came from, for the error of a walk that fails."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, words: int):
+    def __init__(self, matcher: llguidance.LLMatcher, words: int, param: str = "response_format"):
         """Raises GrammarError when the grammar cannot even start (a schema that only refers to itself, say)."""
+        self.param = param
         self._matcher = matcher
         self._first_mask = np.zeros((1, words), np.int32)
         llguidance.numpy.fill_next_token_bitmask(matcher, self._first_mask, 0)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
         if not self._first_mask.any():
-            raise GrammarError("the schema admits no JSON value")
+            raise GrammarError("the grammar admits no answer")
 
     def start(self) -> GrammarState:
         """A walk of its own for one engine request (copying a matcher costs under a microsecond)."""
-        return GrammarState(self._matcher.deep_copy(), self._first_mask.copy())
+        return GrammarState(self._matcher.deep_copy(), self._first_mask.copy(), self.param)
 
 
 class GrammarState:
@@ -93,7 +128,8 @@ class GrammarState:
     next mask at once: the engine calls it while the device runs the step after, so the mask is ready
     when the request's next row is launched."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, mask: np.ndarray):
+    def __init__(self, matcher: llguidance.LLMatcher, mask: np.ndarray, param: str = "response_format"):
+        self.param = param  # the request parameter the grammar came from
         self._matcher = matcher
         self._mask = mask  # [1, words] int32, the layout llguidance.numpy fills
         self._dead_end = False  # not finished, yet no token may follow: a sampler row would pick from none

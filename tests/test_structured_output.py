@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import itertools
 import json
+import re
 
 import jax
 import jsonschema
@@ -391,3 +392,62 @@ def test_bad_response_formats_get_a_400_naming_it(idle_server, response_format, 
         chat(idle_server, response_format=response_format)
     error = caught.value.body
     assert error["param"].startswith("response_format") and words in error["message"], error
+
+
+# ---- vLLM's structured_outputs and its guided_* names --------------------------------------------------------
+
+SQL = 'start: "SELECT " name " FROM " name\nname: /[a-z]{1,6}/'
+
+
+@pytest.mark.parametrize("constraint, fits", [
+    ({"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}}, lambda t: re.fullmatch("[a-z]{3}-[0-9]{2}", t)),
+    ({"structured_outputs": {"choice": ["positive", "negative (mixed)"]}}, lambda t: t in ("positive", "negative (mixed)")),
+    ({"structured_outputs": {"grammar": SQL}}, lambda t: re.fullmatch("SELECT [a-z]{1,6} FROM [a-z]{1,6}", t)),
+    ({"structured_outputs": {"json": PERSON}}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    ({"structured_outputs": {"json": json.dumps(PERSON)}}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    ({"guided_regex": "[a-z]{3}-[0-9]{2}"}, lambda t: re.fullmatch("[a-z]{3}-[0-9]{2}", t)),
+    ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+    ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    ({"guided_grammar": SQL}, lambda t: re.fullmatch("SELECT [a-z]{1,6} FROM [a-z]{1,6}", t)),
+], ids=["regex", "choice", "lark", "json", "json-text", "guided-regex", "guided-choice", "guided-json",
+        "guided-grammar"])  # fmt: skip
+def test_structured_outputs_constrain_the_answer(idle_server, constraint, fits):
+    """Each of vLLM's constraints holds on the answer, which ends with stop; the unconstrained answer to the same
+    request is the random model's noise, which none of them takes."""
+    reply = chat(idle_server, extra_body=constraint)
+    text = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and fits(text), text
+    plain = chat(idle_server).choices[0].message.content
+    with pytest.raises((AssertionError, json.JSONDecodeError, jsonschema.ValidationError)):
+        assert fits(plain)
+
+
+def test_completions_and_responses_take_a_constraint(idle_server):
+    client = idle_server.client()
+    reply = client.completions.create(model=idle_server.model_name, prompt="Sentiment:", max_tokens=20,
+                                      temperature=0.0, extra_body={"guided_choice": ["good", "bad"]})  # fmt: skip
+    assert reply.choices[0].text in ("good", "bad") and reply.choices[0].finish_reason == "stop"
+    response = client.responses.create(model=idle_server.model_name, input="Give me JSON.", temperature=0.0,
+                                       max_output_tokens=80,
+                                       text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}})  # fmt: skip
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex", "regex"),
+    ({"structured_outputs": {"grammar": "start: (("}}, "structured_outputs.grammar", "cannot be used"),
+    ({"structured_outputs": {}}, "structured_outputs", "no constraint"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice", "set one"),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "guided_json", "set one"),
+    ({"guided_choice": []}, "guided_choice", "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "guided_regex"),
+], ids=["bad-regex", "bad-lark", "empty", "two-fields", "two-params", "no-choices", "json-text", "min-tokens"])  # fmt: skip
+def test_bad_constraints_get_a_400_naming_them(idle_server, fields, param, words):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(idle_server, extra_body=fields)
+    error = caught.value.body
+    assert error["param"] == param and words in error["message"], error
