@@ -47,6 +47,7 @@ class Prepared:
     output_format: OutputFormat | None = None  # chat: how its text splits into reasoning, content and tool calls
     echo: EchoedPrompt | None = None  # completions with echo: the prompt the answer starts with
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the choice's field of that name, with this top-N
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every streamed chunk carries the usage so far
 
     def __post_init__(self):
         self.response_id = self.response_id or self.request_id
@@ -159,7 +160,7 @@ class RequestPreparer:
                     )
                 request_id = response_id if len(prompts) * n == 1 else f"{response_id}-{index}"
                 choices.append(Prepared(request_id, ids, choice_params, _include_usage(request), response_id, index,
-                                        sample))  # fmt: skip
+                                        sample, continuous_usage=_continuous_usage(request)))  # fmt: skip
         return choices
 
     # ---- checks ------------------------------------------------------------------------------------------
@@ -381,6 +382,11 @@ def _wrap_int64(value: int) -> int:
 
 def _include_usage(request: api.SamplingFields) -> bool:
     return request.stream_options is not None and request.stream_options.include_usage
+
+
+def _continuous_usage(request: api.SamplingFields) -> bool:
+    """As vLLM: continuous_usage_stats counts only beside include_usage."""
+    return _include_usage(request) and request.stream_options.continuous_usage_stats
 
 
 def _require_unicode(text: str, param: str) -> None:

@@ -40,6 +40,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 StopStrings = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]

@@ -152,7 +152,8 @@ class ResponseBuilder:
             while len(finished) < len(submissions) and failed is None:
                 kind, item = await queue.get()
                 if kind == "chunk":
-                    yield sse(head | {"choices": [item]} | usage_field)
+                    choice, so_far = item
+                    yield sse(head | {"choices": [choice]} | (so_far or usage_field))
                 elif kind == "error":
                     failed = item
                 else:
@@ -169,14 +170,23 @@ class ResponseBuilder:
                 submission.close()
 
     async def _choice_chunks(self, submission: Submission, chat: bool, queue: asyncio.Queue) -> None:
-        """One choice's chunks onto `queue`: ("chunk", choice), then ("done", (prepared, last output)), or
-        ("error", APIError) for a choice the engine failed."""
+        """One choice's chunks onto `queue`: ("chunk", (choice, its usage so far or None)), then ("done", (prepared,
+        last output)), or ("error", APIError) for a choice the engine failed."""
         prepared = submission.prepared
         offset, last, echo = 0, None, prepared.echo  # the first chunk echoes the prompt, as vLLM's does
         parser = prepared.output_format.parser() if chat and prepared.output_format is not None else None
+        generated = 0
+
+        def so_far() -> dict | None:
+            if not prepared.continuous_usage:
+                return None
+            prompt = len(prepared.prompt_ids)
+            return {"usage": {"prompt_tokens": prompt, "completion_tokens": generated,
+                              "total_tokens": prompt + generated}}  # fmt: skip
+
         try:
             if chat:
-                queue.put_nowait(("chunk", FIRST_CHAT_CHOICE | {"index": prepared.index}))
+                queue.put_nowait(("chunk", (FIRST_CHAT_CHOICE | {"index": prepared.index}, so_far())))
             async for output in submission.outputs():
                 last = output
                 error = finish_error(output)
@@ -185,7 +195,9 @@ class ResponseBuilder:
                 # An aborted stream (server shutdown) still ends with a chunk that carries its finish reason.
                 # One chunk per token, even when its text is empty (it ends inside a multi-byte character), so
                 # that clients can time every token.
-                queue.put_nowait(("chunk", self._stream_choice(prepared, output, chat, offset, parser, echo)))
+                generated += len(output.token_ids)
+                chunk = self._stream_choice(prepared, output, chat, offset, parser, echo)
+                queue.put_nowait(("chunk", (chunk, so_far())))
                 offset += len(output.text) + (len(echo.text) if echo is not None else 0)
                 echo = None
             queue.put_nowait(("done", (prepared, last)))

@@ -351,6 +351,23 @@ def test_streamed_completion_matches_the_plain_one(idle_server):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(idle_server):
+    """vLLM's continuous_usage_stats: every chunk carries its choice's usage so far (the chat role chunk 0 tokens,
+    then one more a token, the finish chunk none), the last one the final usage chunk's count; without
+    include_usage none does."""
+    client = idle_server.client()
+    fields = dict(model=idle_server.model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                  temperature=0.0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(client.chat.completions.create(
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **fields))  # fmt: skip
+    counted = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counted == [*range(7), 6] and chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    chunks = list(client.chat.completions.create(stream_options={"continuous_usage_stats": True}, **fields))
+    assert all(c.usage is None for c in chunks)
+
+
 def test_raw_stream_ends_with_done(idle_server):
     body = {"model": idle_server.model_name, "prompt": PROMPT_IDS, "max_tokens": 4, "stream": True}
     response = httpx.post(f"{idle_server.base_url}/completions", json=body, headers=idle_server.headers())
