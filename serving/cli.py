@@ -243,6 +243,7 @@ def _serve_on(sock, args, config, cfg) -> None:
         max_queue=args.max_queue, default_chat_max_tokens=args.default_chat_max_tokens,
         max_logprobs=config.num_top_logprobs, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, prompt_logprobs=config.prompt_logprobs_chunk > 0,
+        model_root=args.model,
     )  # fmt: skip
     app = http.create_app(http.OpenAIServer(engine, model.tokenizer, server_config))
     url = http.listen_url(sock)

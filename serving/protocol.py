@@ -581,7 +581,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "qwen35-jax"
+    root: str
+    parent: str | None = None
     max_model_len: int
+    permission: list[dict[str, Any]]
 
 
 class ModelList(BaseModel):

@@ -74,8 +74,15 @@ class OpenAIServer:
             return "unknown"
 
     def model_card(self) -> dict:
+        """OpenAI's model object with vLLM's additions: root (where the model came from), parent, max_model_len
+        and a permission entry."""
+        permission = {"id": f"modelperm-{self.config.served_model_name}", "object": "model_permission",
+                      "created": self.created, "allow_create_engine": False, "allow_sampling": True,
+                      "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                      "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}  # fmt: skip
         return {"id": self.config.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "qwen35-jax", "max_model_len": self.config.max_model_len}  # fmt: skip
+                "owned_by": "qwen35-jax", "root": self.config.model_root or self.config.served_model_name,
+                "parent": None, "max_model_len": self.config.max_model_len, "permission": [permission]}  # fmt: skip
 
     def check_room(self, num_choices: int = 1) -> None:
         if self.max_queue is None:

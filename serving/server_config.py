@@ -27,3 +27,4 @@ class ServerConfig:
     tool_call_parser: str = "qwen3_coder"
     # The engine has prompt-logprobs programs (--prompt-logprobs-chunk): echo with logprobs and prompt_logprobs work.
     prompt_logprobs: bool = False
+    model_root: str | None = None  # where the model came from (--model): the model card's `root`, as vLLM's

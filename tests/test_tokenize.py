@@ -123,6 +123,9 @@ def test_version_and_the_served_model_card(idle_server):
     card = client.models.retrieve(idle_server.model_name)
     assert card.id == idle_server.model_name and card.object == "model"
     assert card == client.models.list().data[0]
+    extra = card.model_extra  # vLLM's fields beside OpenAI's
+    assert extra["max_model_len"] == idle_server.max_model_len and extra["root"] and extra["parent"] is None
+    assert extra["permission"][0]["object"] == "model_permission" and extra["permission"][0]["allow_sampling"]
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("no-such-model")
     assert missing.value.body["code"] == "model_not_found"
