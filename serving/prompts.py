@@ -214,10 +214,22 @@ class RequestPreparer:
                 self._need_tokenizer("prompt")
                 _require_unicode(one, "prompt")
                 ids = await asyncio.to_thread(self.tokenizer.encode, one)
-            self.check_prompt(ids, "prompt")
-            texts.append(None if isinstance(one, list) else one)
-            prompts.append(ids)
+            kept = self.truncated(ids, request)
+            self.check_prompt(kept, "prompt")
+            # A cut prompt is echoed as its kept tokens decoded, as a token-id prompt is.
+            texts.append(None if isinstance(one, list) or len(kept) < len(ids) else one)
+            prompts.append(kept)
         return texts, prompts
+
+    def truncated(self, ids: list[int], request: api.SamplingFields) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k ids (-1: the context less one output token)."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k > self.config.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens ({k}) exceeds --max-model-len "
+                                f"({self.config.max_model_len})", "truncate_prompt_tokens")  # fmt: skip
+        return ids[-(self.config.max_model_len - 1 if k == -1 else k) :]
 
     async def chat_prompt(self, request: api.ChatCompletionRequest,
                           structured: bool = False) -> tuple[list[int], OutputFormat]:  # fmt: skip
@@ -232,7 +244,7 @@ class RequestPreparer:
         prefix = _forced_tool_call(request.tool_choice) if tools is not None else ""
         if (prefix or structured) and in_reasoning:
             prefix = "\n" + THINK_END + "\n\n" + prefix  # a forced call or a structured answer skips the reasoning
-        ids = await asyncio.to_thread(self.tokenizer.encode, text + prefix)
+        ids = self.truncated(await asyncio.to_thread(self.tokenizer.encode, text + prefix), request)
         self.check_prompt(ids, "messages")
         output_format = OutputFormat(
             reasoning=self.config.reasoning_parser != "none",

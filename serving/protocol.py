@@ -115,6 +115,8 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: bool = False  # vLLM's
     min_tokens: Annotated[Int, Field(ge=0)] = 0  # vLLM's: no end of sequence, stop token or stop string before it
     skip_special_tokens: bool = True  # vLLM's
+    # vLLM's: keep only the prompt's last k tokens (left truncation); -1: as many as the context leaves room for
+    truncate_prompt_tokens: Annotated[Int, Field(ge=-1)] | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     # vLLM's earlier names of structured_outputs' fields, still sent by its older clients
     guided_json: dict[str, Any] | str | None = None
@@ -166,6 +168,8 @@ def _shared_problems(request: SamplingFields) -> list[tuple[str, str]]:
     if request.min_tokens and constraints:
         problems.append(("min_tokens", f"min_tokens cannot hold back the end of an answer that {constraints[0].param} "
                                        "ends when it is complete"))  # fmt: skip
+    if request.truncate_prompt_tokens == 0:
+        problems.append(("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or at least 1"))
     if request.stream_options is not None and not request.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
     problems += _response_format_problems(request.response_format)

@@ -368,6 +368,25 @@ def test_continuous_usage_stats_count_each_choices_tokens_so_far(idle_server):
     assert all(c.usage is None for c in chunks)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(idle_server):
+    """vLLM's truncate_prompt_tokens: the answer is the one to the prompt's last k tokens (echoed as those tokens),
+    -1 keeps what the context has room for, and 0 or more than the context is a 400 naming it."""
+    client = idle_server.client()
+    cut = greedy(client, prompt=PROMPT_IDS, echo=True, extra_body={"truncate_prompt_tokens": 3})
+    tail = greedy(client, prompt=PROMPT_IDS[-3:], echo=True)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == tail.choices[0].text
+    long_prompt = PROMPT_IDS * 40  # 320 tokens, past the 128-token context
+    kept = greedy(client, prompt=long_prompt, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert kept.usage.prompt_tokens == idle_server.max_model_len - 1
+    chat = client.chat.completions.create(model=idle_server.model_name, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+    assert chat.usage.prompt_tokens == 5
+    for bad in (0, idle_server.max_model_len + 1):
+        with pytest.raises(openai.BadRequestError) as caught:
+            greedy(client, prompt=PROMPT_IDS, extra_body={"truncate_prompt_tokens": bad})
+        assert caught.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_raw_stream_ends_with_done(idle_server):
     body = {"model": idle_server.model_name, "prompt": PROMPT_IDS, "max_tokens": 4, "stream": True}
     response = httpx.post(f"{idle_server.base_url}/completions", json=body, headers=idle_server.headers())
