@@ -82,9 +82,10 @@ def input_messages(items: str | list) -> list[dict]:
         return [{"role": "user", "content": items}]
     messages, reasoning = [], None
     for item in items:
-        if isinstance(item, api.ReasoningItem):
+        if isinstance(item, api.ReasoningItem):  # it leads the assistant turn that follows it
             reasoning = item.text()
-        elif isinstance(item, api.InputMessage):
+            continue
+        if isinstance(item, api.InputMessage):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, api.FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name,

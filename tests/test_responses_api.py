@@ -188,3 +188,29 @@ def test_reasoning_effort_none_turns_thinking_off(scripted):
     assert tokenizer.decode(engine.prompts[-1]).endswith("Hello\nassistant\n<think>\n\n</think>\n\n")
     client.responses.create(model="scripted", input="Hello")
     assert tokenizer.decode(engine.prompts[-1]).endswith("Hello\nassistant\n")  # the special tokens decode to ""
+
+
+def test_input_items_become_chat_messages():
+    """A reasoning item leads the assistant turn after it; a message then calls are one assistant turn; a call
+    after a tool's output opens a new turn; a tool output is a tool message."""
+    from qwen35_jax.serving import protocol as api
+    from qwen35_jax.serving.responses_api import input_messages
+
+    request = api.ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Look."}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "noon"}]},
+        {"type": "function_call", "call_id": "c3", "name": "get_weather", "arguments": "{}"},
+    ]})  # fmt: skip
+    messages = input_messages(request.input)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert messages[0]["content"] == "Weather?" and messages[1]["reasoning_content"] == "Look."
+    assert messages[1]["content"] == "Checking." and [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
+    assert messages[3] == {"role": "tool", "tool_call_id": "c2", "content": "noon"}
+    assert [c["id"] for c in messages[4]["tool_calls"]] == ["c3"] and "reasoning_content" not in messages[4]
+    assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
