@@ -6,14 +6,13 @@ bad requests get a 400 in the OpenAI shape), and on a scripted engine whose answ
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import openai
 import pytest
-from test_tool_calls import CALL, ScriptedEngine
+from _scripted import CALL
 
-pytest_plugins = ["_server"]
+pytest_plugins = ["_server", "_scripted"]
 
 SYSTEM, QUESTION = "Be brief.", "Say hello."
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city.",
@@ -110,29 +109,6 @@ def test_bad_requests_get_a_400_naming_the_parameter(idle_server, body, param):
 
 
 # ---- reasoning and tool calls, on a scripted engine -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def scripted():
-    from qwen35_jax.api import TINY_ASSETS
-    from qwen35_jax.serving.server import OpenAIServer, ServerConfig, UvicornServer, bind, create_app, listen_url
-    from qwen35_jax.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(TINY_ASSETS)
-    engine = ScriptedEngine()
-    server = OpenAIServer(engine, tokenizer, ServerConfig(served_model_name="scripted", max_model_len=4096,
-                                                          vocab_size=tokenizer.vocab_size))  # fmt: skip
-    sock = bind("127.0.0.1", 0)
-    started = threading.Event()
-    uvicorn = UvicornServer(create_app(server), on_started=started.set)
-    thread = threading.Thread(target=uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    assert started.wait(30)
-    client = openai.OpenAI(base_url=f"{listen_url(sock)}/v1", api_key="unused", max_retries=0, timeout=30)
-    yield engine, client, tokenizer
-    uvicorn.should_exit = True
-    thread.join(10)
-    sock.close()
 
 
 ANSWER = f"<think>\nNeed the weather.\n</think>\n\nChecking.\n{CALL}"

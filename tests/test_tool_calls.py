@@ -5,74 +5,16 @@ tokens arrives, so that the server's rendering of tools and its parsing of the a
 from __future__ import annotations
 
 import json
-import threading
-import types
 
 import openai
 import pytest
+from _scripted import CALL, MODEL
 
-from qwen35_jax.serving.engine import RequestOutput
-
-MODEL = "scripted"
+pytest_plugins = ["_scripted"]
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"},
                                                                 "days": {"type": "integer"}}}}}  # fmt: skip
-CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"  # fmt: skip
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-class ScriptedEngine:
-    """What the server needs of an Engine; each request gets `self.answer`, four characters per output."""
-
-    def __init__(self):
-        self.answer = ""
-        self.prompts: list[list[int]] = []
-        self.scheduler = types.SimpleNamespace(config=types.SimpleNamespace(max_batch=8))
-        self.eos_token_ids = frozenset({2})  # the tiny tokenizer's <|im_end|>
-
-    def is_running(self) -> bool:
-        return True
-
-    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        pass
-
-    def abort(self, request_id: str) -> None:
-        pass
-
-    def submit(self, prompt_ids, params, on_output, request_id, fork_of=None) -> None:
-        self.prompts.append(list(prompt_ids))
-        pieces = [self.answer[i : i + 4] for i in range(0, len(self.answer), 4)]
-
-        def emit():
-            for piece in pieces:
-                on_output(RequestOutput(request_id, [0], piece, None))
-            on_output(RequestOutput(request_id, [], "", None, "stop", num_prompt_tokens=len(prompt_ids),
-                                    num_output_tokens=len(pieces)))  # fmt: skip
-
-        threading.Thread(target=emit, daemon=True).start()
-
-
-@pytest.fixture(scope="module")
-def scripted():
-    from qwen35_jax.api import TINY_ASSETS
-    from qwen35_jax.serving.server import OpenAIServer, ServerConfig, UvicornServer, bind, create_app, listen_url
-    from qwen35_jax.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(TINY_ASSETS)
-    engine = ScriptedEngine()
-    server = OpenAIServer(engine, tokenizer, ServerConfig(served_model_name=MODEL, max_model_len=4096,
-                                                          vocab_size=tokenizer.vocab_size))  # fmt: skip
-    sock = bind("127.0.0.1", 0)
-    started = threading.Event()
-    uvicorn = UvicornServer(create_app(server), on_started=started.set)
-    thread = threading.Thread(target=uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    assert started.wait(30)
-    client = openai.OpenAI(base_url=f"{listen_url(sock)}/v1", api_key="unused", max_retries=0, timeout=30)
-    yield engine, client, tokenizer
-    uvicorn.should_exit = True
-    thread.join(10)
-    sock.close()
 
 
 def test_a_tool_call_is_parsed(scripted):
