@@ -286,11 +286,12 @@ class Tokenizer:
 
     # -- encode / decode ----------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`. No BOS/EOS is added; special tokens written in the text map to their ids."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text map to their ids. add_special_tokens: also those
+        the tokenizer's post-processor adds (a BOS, for tokenizers that have one; Qwen's adds none)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids the vocabulary does not have (e.g. embedding padding) decode to nothing."""

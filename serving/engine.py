@@ -14,7 +14,8 @@ into outputs) and the scheduler's `Request` (plan.py: prompt, slot, pages and la
 
 A request under a grammar (`response_format`, structured_output.py) is the exception to one step late: its next
 token's mask depends on the token just sampled, so it gets its next row only once the host has read that
-token (`Scheduler.token_read`) and advanced its `GrammarState`. Other requests' rows are launched as before.
+token (`Scheduler.token_read`) and advanced its `GrammarState`. So does one with a bad word of several tokens
+(token_filter.py). Other requests' rows are launched as before.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from qwen35_jax.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 if TYPE_CHECKING:  # the engine runs grammars it is given; only the HTTP side compiles them (and imports llguidance)
     from qwen35_jax.serving.structured_output import Grammar, GrammarState
+    from qwen35_jax.serving.token_filter import TokenFilter
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,13 @@ class GenerationParams:
     # vLLM's: the first min_tokens output tokens are never an end of sequence or a stop token (their logits are
     # pushed to -inf), and no stop string is looked for in their text.
     min_tokens: int = 0
+    # vLLM's allowed_token_ids and bad_words (token_filter.py): the tokens sampling may pick
+    token_filter: TokenFilter | None = None
+
+    @property
+    def waits_for_tokens(self) -> bool:
+        """The next token's mask depends on the last one sampled (a grammar, or a bad word of several tokens)."""
+        return self.grammar is not None or (self.token_filter is not None and self.token_filter.waits_for_tokens)
 
     def held_back(self, eos_token_ids) -> tuple[int, ...]:
         """The tokens min_tokens keeps out of the first outputs."""
@@ -179,7 +188,7 @@ class Engine:
         self.check(len(prompt_ids), params.max_tokens, scored)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id=request_id, prompt_ids=list(prompt_ids), max_tokens=params.max_tokens,
-                          prompt_logprobs=scored, waits_for_tokens=params.grammar is not None,
+                          prompt_logprobs=scored, waits_for_tokens=params.waits_for_tokens,
                           fork_of=fork_of)  # fmt: skip
         grammar = None if params.grammar is None else params.grammar.start()
         gen = Generation(request, params, on_output, *self._text_tools(params), grammar=grammar)
@@ -266,6 +275,8 @@ class Engine:
             index = gen.request.num_output_tokens - 1  # counted at schedule time for this step
             samples = getattr(row, "is_last", True)  # a chunk before the prompt's last samples nothing
             mask = gen.grammar.mask if gen.grammar is not None and samples else None
+            if gen.params.token_filter is not None and samples:
+                mask = gen.params.token_filter.mask(gen.output_ids, mask)
             bias = s.logit_bias
             if samples and index < gen.params.min_tokens:
                 bias += tuple((token, -np.inf) for token in gen.params.held_back(self.eos_token_ids))
@@ -330,6 +341,8 @@ class Engine:
             self._finish(request_id, "length", emit=True)
             return
         gen.output_ids.append(token)
+        if gen.request.waits_for_tokens:
+            self.scheduler.token_read(request_id)
         if gen.grammar is not None and not self._advance_grammar(gen, token):
             return
         reason = self._finish_reason(gen, token)
@@ -344,10 +357,9 @@ class Engine:
             self._finish(request_id, "stop" if stopped else reason, emit=True)
 
     def _advance_grammar(self, gen: Generation, token: int) -> bool:
-        """Moves the request's grammar past its token and lets the scheduler give it its next row; False (and the
-        request failed) when the grammar refused the token or ran out of its limits."""
+        """Moves the request's grammar past its token; False (and the request failed) when the grammar refused the
+        token or ran out of its limits."""
         request_id = gen.request.request_id
-        self.scheduler.token_read(request_id)
         if gen.grammar.accept(token):
             return True
         message = f"the {gen.grammar.param} grammar failed at output token {len(gen.output_ids)}: {gen.grammar.error}"

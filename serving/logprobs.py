@@ -18,8 +18,10 @@ MAX_CACHED_NAMES = 1 << 20
 class LogprobFormatter:
     """Names tokens through one tokenizer (cached) and lays out the engine's `TokenLogprob`s."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, names_as_ids: bool = False):
+        """names_as_ids: name every token "token_id:N" (vLLM's return_tokens_as_token_ids), whatever its text."""
         self.tokenizer = tokenizer
+        self.names_as_ids = names_as_ids
         self._token_text: dict[int, str] = {}
         self._byte_decoder = _byte_decoder() if _is_byte_level(tokenizer) else None
 
@@ -44,7 +46,7 @@ class LogprobFormatter:
         return text
 
     def _name(self, token_id: int) -> str:
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.names_as_ids:
             return f"token_id:{token_id}"
         raw = bytes(self.token_bytes(token_id))
         try:

@@ -21,6 +21,7 @@ from qwen35_jax.serving.parsers import THINK_END, THINK_START, TOOL_START, Outpu
 from qwen35_jax.serving.scheduler import RequestRejected
 from qwen35_jax.serving.server_config import ServerConfig
 from qwen35_jax.serving.structured_output import Grammar, GrammarCompiler, GrammarError
+from qwen35_jax.serving.token_filter import TokenFilter
 from qwen35_jax.tokenizer import IncrementalDetokenizer
 
 ASSISTANT_TURN = "<|im_start|>assistant"  # where the answer starts in a Qwen chat prompt
@@ -48,6 +49,9 @@ class Prepared:
     echo: EchoedPrompt | None = None  # completions with echo: the prompt the answer starts with
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the choice's field of that name, with this top-N
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: every streamed chunk carries the usage so far
+    token_names_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # vLLM's: the answer carries the prompt's and the output's token ids
+    include_reasoning: bool = True  # vLLM's: chat answers carry their reasoning
 
     def __post_init__(self):
         self.response_id = self.response_id or self.request_id
@@ -94,11 +98,12 @@ class RequestPreparer:
         prompt_logprobs = self._prompt_logprobs(request)
         texts, prompts = await self.completion_prompts(request)
         grammar = await self.grammar(request)
+        token_filter = await self.token_filter(request)
         params = [self.generation_params(request, len(ids), request.max_tokens,
                                          self.config.default_completion_max_tokens, request.logprobs,
-                                         prompt_logprobs=prompt_logprobs, grammar=grammar)
+                                         prompt_logprobs=prompt_logprobs, grammar=grammar, token_filter=token_filter)
                   for ids in prompts]  # fmt: skip
-        choices = self._choices(f"cmpl-{uuid.uuid4().hex}", request, prompts, params)
+        choices = self._choices("cmpl", request, prompts, params)
         if request.prompt_logprobs is not None:
             choices = [dataclasses.replace(choice, prompt_logprobs=request.prompt_logprobs) for choice in choices]
         if not request.echo:
@@ -117,7 +122,11 @@ class RequestPreparer:
     def _prompt_logprobs(self, request: api.CompletionRequest) -> int | None:
         """The top-N the engine returns at each prompt token: for echo with logprobs and for vLLM's prompt_logprobs,
         the larger of the two (each answer keeps its own N); None when neither asks."""
-        wanted = {"prompt_logprobs": request.prompt_logprobs, "logprobs": request.logprobs if request.echo else None}
+        return self._checked_prompt_logprobs({"prompt_logprobs": request.prompt_logprobs,
+                                              "logprobs": request.logprobs if request.echo else None})  # fmt: skip
+
+    def _checked_prompt_logprobs(self, wanted: dict[str, int | None]) -> int | None:
+        """wanted: the top-N each parameter asks for at the prompt's tokens (None: that one asks nothing)."""
         wanted = {param: n for param, n in wanted.items() if n is not None}
         if not wanted:
             return None
@@ -128,24 +137,34 @@ class RequestPreparer:
                            "unsupported_parameter")  # fmt: skip
         if wanted.get("prompt_logprobs", 0) > self.config.max_logprobs:
             raise APIError(400, f"at most {self.config.max_logprobs} prompt_logprobs per token, got "
-                                f"{request.prompt_logprobs}", "prompt_logprobs")  # fmt: skip
+                                f"{wanted['prompt_logprobs']}", "prompt_logprobs")  # fmt: skip
         return max(wanted.values())
 
     async def chat(self, request: api.ChatCompletionRequest) -> list[Prepared]:
         self.check_request(request)
         grammar = await self.grammar(request)
+        token_filter = await self.token_filter(request)
         ids, output_format = await self.chat_prompt(request, structured=grammar is not None)
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        prompt_logprobs = self._checked_prompt_logprobs({"prompt_logprobs": request.prompt_logprobs})
         params = self.generation_params(request, len(ids), max_tokens, self.config.default_chat_max_tokens, logprobs,
-                                        grammar=grammar)  # fmt: skip
-        choices = self._choices(f"chatcmpl-{uuid.uuid4().hex}", request, [ids], [params])
-        return [dataclasses.replace(choice, output_format=output_format) for choice in choices]
+                                        prompt_logprobs=prompt_logprobs, grammar=grammar,
+                                        token_filter=token_filter)  # fmt: skip
+        echo = _chat_echo(request)
+        choices = self._choices("chatcmpl", request, [ids], [params])
+        return [dataclasses.replace(choice, output_format=output_format, prompt_logprobs=request.prompt_logprobs,
+                                    echo=None if echo is None else EchoedPrompt(echo, ()),
+                                    include_reasoning=request.include_reasoning)
+                for choice in choices]  # fmt: skip
 
-    def _choices(self, response_id: str, request: api.SamplingFields, prompts: list[list[int]],
+    def _choices(self, kind: str, request: api.SamplingFields, prompts: list[list[int]],
                  params: list[GenerationParams]) -> list[Prepared]:  # fmt: skip
         """Choice `prompt * n + sample`. A seeded request's samples take the seeds seed, seed + 1, ... (as 64-bit
-        integers), so that they differ from each other and each repeats."""
+        integers), so that they differ from each other and each repeats. The answer's id is `kind`-, then vLLM's
+        request_id when the client gave one; the engine's ids of its choices stay unique whatever the client sent."""
+        response_id = f"{kind}-{request.request_id or uuid.uuid4().hex}"
+        engine_id = response_id if request.request_id is None else f"{response_id}-{uuid.uuid4().hex[:12]}"
         n = request.n or 1
         choices = []
         for p, (ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
@@ -158,9 +177,11 @@ class RequestPreparer:
                     choice_params = dataclasses.replace(
                         prompt_params, sampling=dataclasses.replace(sampling, seed=seed)
                     )
-                request_id = response_id if len(prompts) * n == 1 else f"{response_id}-{index}"
+                request_id = engine_id if len(prompts) * n == 1 else f"{engine_id}-{index}"
                 choices.append(Prepared(request_id, ids, choice_params, _include_usage(request), response_id, index,
-                                        sample, continuous_usage=_continuous_usage(request)))  # fmt: skip
+                                        sample, continuous_usage=_continuous_usage(request),
+                                        token_names_as_ids=request.return_tokens_as_token_ids,
+                                        return_token_ids=request.return_token_ids))  # fmt: skip
         return choices
 
     # ---- checks ------------------------------------------------------------------------------------------
@@ -213,7 +234,8 @@ class RequestPreparer:
             else:
                 self._need_tokenizer("prompt")
                 _require_unicode(one, "prompt")
-                ids = await asyncio.to_thread(self.tokenizer.encode, one)
+                special = True if request.add_special_tokens is None else request.add_special_tokens
+                ids = await asyncio.to_thread(self.tokenizer.encode, one, special)
             kept = self.truncated(ids, request)
             self.check_prompt(kept, "prompt")
             # A cut prompt is echoed as its kept tokens decoded, as a token-id prompt is.
@@ -244,7 +266,8 @@ class RequestPreparer:
         prefix = _forced_tool_call(request.tool_choice) if tools is not None else ""
         if (prefix or structured) and in_reasoning:
             prefix = "\n" + THINK_END + "\n\n" + prefix  # a forced call or a structured answer skips the reasoning
-        ids = self.truncated(await asyncio.to_thread(self.tokenizer.encode, text + prefix), request)
+        ids = await asyncio.to_thread(self.tokenizer.encode, text + prefix, bool(request.add_special_tokens))
+        ids = self.truncated(ids, request)
         self.check_prompt(ids, "messages")
         output_format = OutputFormat(
             reasoning=self.config.reasoning_parser != "none",
@@ -267,7 +290,7 @@ class RequestPreparer:
             self._need_tokenizer("prompt")
             _require_unicode(request.prompt, "prompt")
             text = request.prompt
-        ids = await asyncio.to_thread(self.tokenizer.encode, text)
+        ids = await asyncio.to_thread(self.tokenizer.encode, text, request.add_special_tokens)
         strs = [self.tokenizer.backend.id_to_token(i) for i in ids] if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -280,6 +303,7 @@ class RequestPreparer:
         reserved = {"messages", "add_generation_prompt", "continue_final_message", "tools"} & kwargs.keys()
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
+        kwargs = _template_extras(request) | kwargs
         messages = [m.for_template() for m in request.messages]
         rendered = None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
         try:
@@ -299,7 +323,8 @@ class RequestPreparer:
     # ---- parameters --------------------------------------------------------------------------------------
     def generation_params(self, request: api.SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
                           default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-                          grammar: Grammar | None = None) -> GenerationParams:  # fmt: skip
+                          grammar: Grammar | None = None, token_filter: TokenFilter | None = None,
+                          ) -> GenerationParams:  # fmt: skip
         max_tokens = self._max_tokens(num_prompt_tokens, max_tokens, default_max_tokens)
         if logprobs is not None and logprobs > self.config.max_logprobs:
             raise APIError(400, f"at most {self.config.max_logprobs} logprobs per token, got {logprobs}", "logprobs")
@@ -308,7 +333,7 @@ class RequestPreparer:
             max_tokens=max_tokens, sampling=self._sampling(request), stop=request.stop_strings(),
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, grammar=grammar, include_stop_str_in_output=request.include_stop_str_in_output,
-            skip_special_tokens=request.skip_special_tokens, min_tokens=request.min_tokens,
+            skip_special_tokens=request.skip_special_tokens, min_tokens=request.min_tokens, token_filter=token_filter,
         )  # fmt: skip
         self._check_min_tokens(params)
         return params
@@ -338,6 +363,33 @@ class RequestPreparer:
             raise APIError(400, f"{constraint.param}: the constraint cannot be used: {err}", constraint.param) from None
         grammar.param = constraint.param
         return grammar
+
+    async def token_filter(self, request: api.SamplingFields) -> TokenFilter | None:
+        """vLLM's allowed_token_ids and bad_words as one `TokenFilter`, or None when the request sets neither."""
+        if request.allowed_token_ids is None and not request.bad_words:
+            return None
+        if request.allowed_token_ids is not None:
+            self.check_in_vocabulary(request.allowed_token_ids, "allowed_token_ids")
+        words = await asyncio.to_thread(self._bad_word_ids, request.bad_words or [])
+        try:
+            return TokenFilter.build(self.config.vocab_size, request.allowed_token_ids, words)
+        except ValueError as err:
+            raise APIError(400, str(err), "bad_words") from None
+
+    def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as vLLM bans it: its token ids alone and after a space (when those differ), leading
+        whitespace dropped."""
+        if not words:
+            return ()
+        self._need_tokenizer("bad_words")
+        found = []
+        for word in words:
+            _require_unicode(word, "bad_words")
+            if not word.strip():
+                raise APIError(400, "bad_words may not hold an empty or all-whitespace word", "bad_words")
+            alone, spaced = (tuple(self.tokenizer.encode(prefix + word.lstrip())) for prefix in ("", " "))
+            found += [alone] if spaced == alone else [alone, spaced]
+        return tuple(found)
 
     def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, default_max_tokens: int) -> int:
         """The request's max_tokens, or the default capped by the context left; checked against the engine."""
@@ -386,6 +438,28 @@ def _forced_tool_call(tool_choice) -> str:
     if isinstance(tool_choice, api.NamedToolChoice):
         return f"{TOOL_START}\n<function={tool_choice.function.name}>\n"
     return f"{TOOL_START}\n<function=" if tool_choice == "required" else ""
+
+
+def _template_extras(request: api.ChatCompletionRequest | api.TokenizeChatRequest) -> dict:
+    """What the request's reasoning_effort and documents give the chat template (chat_template_kwargs win)."""
+    extras = {}
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:
+        extras["reasoning_effort"] = effort
+        if effort in ("none", "minimal"):
+            extras["enable_thinking"] = False
+    if getattr(request, "documents", None) is not None:
+        extras["documents"] = request.documents
+    return extras
+
+
+def _chat_echo(request: api.ChatCompletionRequest) -> str | None:
+    """vLLM's chat echo: the text of the last message when it is the assistant's, which the answer then starts
+    with; None when nothing is echoed."""
+    last = request.messages[-1]
+    if not request.echo or last.role != "assistant" or last.content is None:
+        return None
+    return last.content if isinstance(last.content, str) else "".join(part.text for part in last.content)
 
 
 def _wrap_int64(value: int) -> int:

@@ -18,6 +18,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_TOP_LOGPROBS = 20
+MAX_BAD_WORDS = 128
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # at most the vocabulary; the body-size limit bounds it first
 MAX_CHOICES = 128  # n at most; a request's choices also count against the queue (HTTP 429 past it)
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as vLLM takes it
 
@@ -44,6 +46,7 @@ class StreamOptions(_Strict):
 
 
 StopStrings = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+BadWord = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
 class JsonSchemaFormat(_Strict):
@@ -123,6 +126,30 @@ class SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
+    # vLLM's: sampling picks only among these tokens
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    # vLLM's: words the output never contains (each as it tokenizes alone and after a space)
+    bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:N"
+    return_token_ids: bool = False  # vLLM's: the answer carries its prompt's and each choice's token ids
+    # vLLM's: None is the endpoint's default (completions add the tokenizer's special tokens, chat does not)
+    add_special_tokens: bool | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")] | None = None  # vLLM's
+    priority: Int = 0  # vLLM's; only 0, as on a vLLM server without priority scheduling
+    # Taken because clients send them; they change nothing here. vLLM's spaces_between_special_tokens: a fast
+    # (Rust) tokenizer joins special tokens without spaces either way, as in vLLM. vLLM's cache_salt: there is no
+    # prefix cache shared between requests to salt. OpenAI's metadata, store, service_tier, prompt_cache_key and
+    # safety_identifier: bookkeeping of OpenAI's platform.
+    spaces_between_special_tokens: bool = True
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's beam search, taken at its neutral values only
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def constraints(self) -> list[Constraint]:
         """Every constraint the request sets (`_shared_problems` refuses more than one)."""
@@ -172,6 +199,15 @@ def _shared_problems(request: SamplingFields) -> list[tuple[str, str]]:
         problems.append(("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or at least 1"))
     if request.stream_options is not None and not request.stream:
         problems.append(("stream_options", "stream_options is only allowed when stream is true"))
+    if request.allowed_token_ids is not None and constraints:
+        problems.append(("allowed_token_ids", f"allowed_token_ids cannot be combined with {constraints[0].param}, "
+                                              "which chooses the tokens itself"))  # fmt: skip
+    if request.priority != 0:
+        problems.append(("priority", "priority scheduling is not enabled on this server: priority must be 0"))
+    if request.use_beam_search:
+        problems.append(("use_beam_search", "beam search is not supported"))
+    if request.length_penalty != 1.0:
+        problems.append(("length_penalty", "length_penalty applies to beam search, which is not supported (use 1)"))
     problems += _response_format_problems(request.response_format)
     return problems
 
@@ -259,6 +295,15 @@ class ChatCompletionRequest(SamplingFields):
     # with the last message's own text, left open for the model to continue.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the answer's message starts with the last message's text when that message is the assistant's (the
+    # start of an answer that continue_final_message continues)
+    echo: bool = False
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM's, as on completions
+    # OpenAI's. Qwen3.5 either thinks or does not: "none" and "minimal" render the prompt with thinking off, the
+    # others as the template's default; the template also sees the value itself.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer
+    documents: Annotated[list[dict[str, str]], Field(max_length=256)] | None = None  # vLLM's: for the template
 
 
 def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, str]]:
@@ -548,8 +593,7 @@ class ResponsesRequest(_Strict):
 class TokenizeCompletionRequest(_Strict):
     model: str | None = None
     prompt: str
-    # Qwen3.5's tokenizer adds no BOS or EOS, so the flag changes nothing; it is taken because vLLM's clients send it.
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # what the tokenizer's post-processor adds (Qwen3.5's adds nothing)
     return_token_strs: bool = False
 
 

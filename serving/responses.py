@@ -49,6 +49,7 @@ class Collected:
         self.logprobs: list[TokenLogprob] = []
         self.logprob_texts: list[str] = []  # the text each token of `logprobs` added
         self.prompt_logprobs: list[TokenLogprob] = []
+        self.token_ids: list[int] = []
         self.last: RequestOutput | None = None
 
     @classmethod
@@ -57,6 +58,7 @@ class Collected:
         collected = cls()
         async for output in submission.outputs():
             collected.text.append(output.text)
+            collected.token_ids.extend(output.token_ids)
             if output.logprobs:
                 collected.logprobs.extend(output.logprobs)
                 collected.logprob_texts.extend(texts_per_token(output))
@@ -82,6 +84,10 @@ class ResponseBuilder:
     def __init__(self, model_name: str, logprobs: LogprobFormatter):
         self.model_name = model_name
         self.logprobs = logprobs
+        self._logprobs_as_ids = LogprobFormatter(logprobs.tokenizer, names_as_ids=True)
+
+    def _formatter(self, prepared: Prepared) -> LogprobFormatter:
+        return self._logprobs_as_ids if prepared.token_names_as_ids else self.logprobs
 
     async def completion(self, submissions: list[Submission]) -> dict:
         return await self._answer(submissions, "text_completion", self._completion_choice)
@@ -93,36 +99,53 @@ class ResponseBuilder:
         gathered = await asyncio.gather(*(Collected.gather(s) for s in submissions))
         choices = [build_choice(s.prepared, collected) for s, collected in zip(submissions, gathered, strict=True)]
         finished = [(s.prepared, collected.last) for s, collected in zip(submissions, gathered, strict=True)]
-        return {"id": submissions[0].prepared.response_id, "object": kind, "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage(finished)}  # fmt: skip
+        first = submissions[0].prepared
+        answer = {"id": first.response_id, "object": kind, "created": int(time.time()), "model": self.model_name,
+                  "choices": choices, "usage": usage(finished)}  # fmt: skip
+        if kind == "chat.completion":  # chat has one prompt, so its prompt's fields are the answer's (as vLLM's)
+            answer |= self._chat_prompt_fields(first, gathered[0].prompt_logprobs or None)
+        return answer
+
+    def _chat_prompt_fields(self, prepared: Prepared, prompt_logprobs: list[TokenLogprob] | None) -> dict:
+        """A chat answer's vLLM prompt fields: prompt_token_ids (return_token_ids) and prompt_logprobs."""
+        fields = {"prompt_token_ids": prepared.prompt_ids} if prepared.return_token_ids else {}
+        return fields | self._prompt_logprobs_field(prepared, prompt_logprobs)
+
+    def _prompt_logprobs_field(self, prepared: Prepared, prompt_logprobs: list[TokenLogprob] | None) -> dict:
+        if prepared.prompt_logprobs is None or prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self._formatter(prepared).prompt_logprobs(prompt_logprobs, prepared.prompt_logprobs)}
 
     def _completion_choice(self, prepared: Prepared, collected: Collected) -> dict:
         output = RequestOutput(prepared.request_id, [], "".join(collected.text), collected.logprobs,
                                collected.last.finish_reason, prompt_logprobs=collected.prompt_logprobs)  # fmt: skip
-        return self._completion_text(prepared, output, collected.logprob_texts, 0, prepared.echo)
+        choice = self._completion_text(prepared, output, collected.logprob_texts, 0, prepared.echo)
+        if prepared.return_token_ids:
+            choice |= {"prompt_token_ids": prepared.prompt_ids, "token_ids": collected.token_ids}
+        return choice
 
     def _completion_text(self, prepared: Prepared, output: RequestOutput, texts: list[str], offset: int,
                          echo: EchoedPrompt | None) -> dict:  # fmt: skip
         """A completions choice of `output`, whose tokens added `texts`, at `offset` in the answer's text; led by the
         echoed prompt (its text, and with logprobs its tokens') when `echo` is given."""
-        logprobs = None
+        logprobs, formatter = None, self._formatter(prepared)
         start = offset + (len(echo.text) if echo is not None else 0)
         if prepared.params.logprobs is not None and (output.logprobs or echo is not None):
-            logprobs = self.logprobs.completion(output.logprobs or [], texts, start)
+            logprobs = formatter.completion(output.logprobs or [], texts, start)
             if echo is not None:
-                prompt = self.logprobs.echoed_prompt(prepared.prompt_ids, output.prompt_logprobs or [],
+                prompt = formatter.echoed_prompt(prepared.prompt_ids, output.prompt_logprobs or [],
                                                      echo.token_texts, prepared.params.logprobs)  # fmt: skip
                 logprobs = joined(prompt, logprobs)
         choice = {"index": prepared.index, "text": (echo.text if echo is not None else "") + output.text,
                   "logprobs": logprobs, "finish_reason": output.finish_reason}  # fmt: skip
         if prepared.prompt_logprobs is not None and output.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self.logprobs.prompt_logprobs(output.prompt_logprobs, prepared.prompt_logprobs)
+            choice["prompt_logprobs"] = formatter.prompt_logprobs(output.prompt_logprobs, prepared.prompt_logprobs)
         return choice
 
     def _chat_choice(self, prepared: Prepared, collected: Collected) -> dict:
         logprobs = None
         if prepared.params.logprobs is not None:
-            logprobs = self.logprobs.chat(collected.logprobs)
+            logprobs = self._formatter(prepared).chat(collected.logprobs)
         text = "".join(collected.text)
         message, calls = {"role": "assistant", "content": text}, []
         if prepared.output_format is not None:
@@ -131,12 +154,17 @@ class ResponseBuilder:
             parsed += parser.finish()
             calls = parsed.tool_calls
             message["content"] = (parsed.content.strip() or None) if calls else parsed.content
-            if parsed.reasoning:
+            if parsed.reasoning and prepared.include_reasoning:
                 message["reasoning_content"] = parsed.reasoning.strip("\n")
             if calls:
                 message["tool_calls"] = [call.as_dict() for call in calls]
-        return {"index": prepared.index, "message": message, "logprobs": logprobs,
-                "finish_reason": _finish_reason(collected.last.finish_reason, bool(calls))}  # fmt: skip
+        if prepared.echo is not None:
+            message["content"] = prepared.echo.text + (message["content"] or "")
+        choice = {"index": prepared.index, "message": message, "logprobs": logprobs,
+                  "finish_reason": _finish_reason(collected.last.finish_reason, bool(calls))}  # fmt: skip
+        if prepared.return_token_ids:
+            choice["token_ids"] = collected.token_ids
+        return choice
 
     async def stream(self, submissions: list[Submission], chat: bool) -> AsyncIterator[str]:
         """SSE chunks of every choice, as each choice's outputs come, then the usage chunk if asked and
@@ -152,8 +180,8 @@ class ResponseBuilder:
             while len(finished) < len(submissions) and failed is None:
                 kind, item = await queue.get()
                 if kind == "chunk":
-                    choice, so_far = item
-                    yield sse(head | {"choices": [choice]} | (so_far or usage_field))
+                    choice, fields = item
+                    yield sse(head | {"choices": [choice]} | usage_field | fields)
                 elif kind == "error":
                     failed = item
                 else:
@@ -170,23 +198,28 @@ class ResponseBuilder:
                 submission.close()
 
     async def _choice_chunks(self, submission: Submission, chat: bool, queue: asyncio.Queue) -> None:
-        """One choice's chunks onto `queue`: ("chunk", (choice, its usage so far or None)), then ("done", (prepared,
-        last output)), or ("error", APIError) for a choice the engine failed."""
+        """One choice's chunks onto `queue`: ("chunk", (choice, the chunk's other top-level fields)), then ("done",
+        (prepared, last output)), or ("error", APIError) for a choice the engine failed."""
         prepared = submission.prepared
         offset, last, echo = 0, None, prepared.echo  # the first chunk echoes the prompt, as vLLM's does
         parser = prepared.output_format.parser() if chat and prepared.output_format is not None else None
-        generated = 0
+        generated, first_output = 0, True
 
-        def so_far() -> dict | None:
+        def so_far() -> dict:
             if not prepared.continuous_usage:
-                return None
+                return {}
             prompt = len(prepared.prompt_ids)
             return {"usage": {"prompt_tokens": prompt, "completion_tokens": generated,
                               "total_tokens": prompt + generated}}  # fmt: skip
 
         try:
-            if chat:
-                queue.put_nowait(("chunk", (FIRST_CHAT_CHOICE | {"index": prepared.index}, so_far())))
+            if chat:  # the role chunk, which leads with the echoed last message and carries the prompt's ids
+                first = FIRST_CHAT_CHOICE | {"index": prepared.index}
+                if echo is not None:
+                    first["delta"] = first["delta"] | {"content": echo.text}
+                    echo = None
+                fields = {"prompt_token_ids": prepared.prompt_ids} if prepared.return_token_ids else {}
+                queue.put_nowait(("chunk", (first, so_far() | fields)))
             async for output in submission.outputs():
                 last = output
                 error = finish_error(output)
@@ -197,7 +230,15 @@ class ResponseBuilder:
                 # that clients can time every token.
                 generated += len(output.token_ids)
                 chunk = self._stream_choice(prepared, output, chat, offset, parser, echo)
-                queue.put_nowait(("chunk", (chunk, so_far())))
+                fields = so_far()
+                if prepared.return_token_ids:
+                    chunk["token_ids"] = output.token_ids
+                    if not chat and first_output:
+                        chunk["prompt_token_ids"] = prepared.prompt_ids
+                if chat:
+                    fields |= self._prompt_logprobs_field(prepared, output.prompt_logprobs)
+                queue.put_nowait(("chunk", (chunk, fields)))
+                first_output = False
                 offset += len(output.text) + (len(echo.text) if echo is not None else 0)
                 echo = None
             queue.put_nowait(("done", (prepared, last)))
@@ -208,12 +249,14 @@ class ResponseBuilder:
                        parser: OutputParser | None = None, echo: EchoedPrompt | None = None) -> dict:  # fmt: skip
         with_logprobs = prepared.params.logprobs is not None and bool(output.logprobs)
         if chat:
-            logprobs = self.logprobs.chat(output.logprobs) if with_logprobs else None
+            logprobs = self._formatter(prepared).chat(output.logprobs) if with_logprobs else None
             if parser is None:
                 delta = {"content": output.text} if output.text or output.finish_reason is None else {}
                 finish_reason = output.finish_reason
             else:
                 delta, finish_reason = self._parsed_delta(parser, output)
+                if not prepared.include_reasoning:
+                    delta.pop("reasoning_content", None)
             return {"index": prepared.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         texts = texts_per_token(output) if with_logprobs else []
         return self._completion_text(prepared, output, texts, offset, echo)

@@ -205,6 +205,11 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             return server.error_response(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
 
+    # vLLM's liveness route for SageMaker-style hosts, which probe it with either method (a route each, so that
+    # each has its own OpenAPI operation id).
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", health, methods=[method], name=f"ping_{method.lower()}")
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,10 +1,12 @@
-"""Profile steady decode steps of the engine on the GPU and summarise the device trace: kernels per step,
+"""Profile steady decode steps (or prefill-only steps, `--prefill N`) of the engine on the GPU and summarise the
+device trace: kernels per step,
 busy device time per step against the step's wall time (what is left is launch and host gaps), and the
 decode program's optimised HLO: its fusions, copies, while loops, Triton calls, and the normalisations
 (fusions that compute an rsqrt), to see whether XLA fuses the norms with their neighbours.
 
     python tools/profile_decode.py --model 4b --batch 1 --context 1024 --trace-dir /tmp/trace \
         --kernels pallas --json profile.json
+    python tools/profile_decode.py --model 4b --prefill 1024 --steps 5 --json profile_prefill_1024.json
 """
 
 from __future__ import annotations
@@ -102,15 +104,18 @@ def main() -> None:
     import jax
 
     from qwen35_jax.api import load_model
-    from qwen35_jax.serving.engine import GenerationParams
-    from qwen35_jax.serving.factory import EngineConfig, build_engine
-    from qwen35_jax.serving.runner import Buckets
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="4b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="profile prefill-only steps of one prompt of this many tokens (one chunk) instead",
+    )
     parser.add_argument("--trace-dir", default="/tmp/trace")
     parser.add_argument("--compile-cache", default=None)
     parser.add_argument("--kernels", default=None, help="pallas | ref (default: pallas on a GPU)")
@@ -120,12 +125,75 @@ def main() -> None:
                              "rematerialisation pass reporting the program over its memory limit")  # fmt: skip
     parser.add_argument("--top", type=int, default=25, help="kernels listed by time per step")
     parser.add_argument("--json", default=None, help="also write the report here")
-    parser.add_argument("--hlo-out", default=None, help="write the decode program's optimised HLO text here")
+    parser.add_argument("--hlo-out", default=None, help="write the profiled program's optimised HLO text here")
     parser.add_argument("--sequence-out", default=None,
                         help="write the last step's kernels in order here, a line each: start and duration in us, "
                              "the idle gap before it, and the name")  # fmt: skip
     args = parser.parse_args()
     model = load_model(args.model, kernels=args.kernels)
+    engine, key = (_prefill_engine if args.prefill else _decode_engine)(args, model)
+    jax.profiler.start_trace(args.trace_dir)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        _profiled_step(engine, args)
+    wall = (time.perf_counter() - start) / args.steps
+    jax.profiler.stop_trace()
+    hlo = engine.runner.executables[key].as_text()
+    kernels, host = trace_events(args.trace_dir)
+    report = {"batch": args.batch, "prefill_tokens": args.prefill, "program": list(key),
+              "kernels": model.kernels.name, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "wall_ms_per_step": wall * 1e3, **summarise(kernels, host, args.steps, args.top),
+              "program_hlo": hlo_summary(hlo),
+              "top_kernel_traffic": kernel_traffic(kernels, args.steps, hlo, args.top),
+              "program_scratch_bytes": engine.runner.temp_bytes[key]}  # fmt: skip
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.hlo_out:
+        with open(args.hlo_out, "w") as f:
+            f.write(hlo)
+    if args.sequence_out:
+        with open(args.sequence_out, "w") as f:
+            f.write(kernel_sequence(kernels, args.steps))
+
+
+_PROMPTS = np.random.default_rng(0)
+
+
+def _profiled_step(engine, args) -> None:
+    """One decode step, or one prompt prefilled in its one prefill-only step (its single token ends it)."""
+    if not args.prefill:
+        engine.step()
+        return
+    from qwen35_jax.serving.engine import GenerationParams
+
+    prompt = _PROMPTS.integers(0, 248044, args.prefill).tolist()  # a new prompt each time
+    engine.submit(prompt, GenerationParams(1, ignore_eos=True), lambda out: None)
+    engine.run_until_done()
+
+
+def _prefill_engine(args, model):
+    """An engine with the one prefill-only program (0, 1, prefill), warmed by two prompts."""
+    from qwen35_jax.serving.factory import EngineConfig, build_engine
+    from qwen35_jax.serving.runner import Buckets
+
+    config = EngineConfig(max_batch=1, max_prefill_tokens=args.prefill, max_model_len=args.prefill + 16,
+                          gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache)  # fmt: skip
+    engine = build_engine(model, config, compile_now=False)
+    engine.runner.buckets = Buckets(decode=(1,), prefill_rows=(1,), chunk=(args.prefill,))
+    engine.runner.compile_all()
+    for _ in range(2):
+        _profiled_step(engine, args)
+    return engine, (0, 1, args.prefill)
+
+
+def _decode_engine(args, model):
+    """An engine with `batch` rows all decoding at `context`, after four steady steps."""
+    from qwen35_jax.serving.engine import GenerationParams
+    from qwen35_jax.serving.factory import EngineConfig, build_engine
+    from qwen35_jax.serving.runner import Buckets
+
     # Every row must still be decoding when the last prompt is in: prompts are prefilled one chunk a step, so the
     # first row decodes `batch` tokens before the last one starts (60 tokens left batch 64 never all decoding).
     max_tokens = args.batch + args.steps + 16
@@ -159,29 +227,7 @@ def main() -> None:
         raise SystemExit(f"the {args.batch} rows were never all decoding at once (pool or budget too small?)")
     for _ in range(4):
         engine.step()
-    jax.profiler.start_trace(args.trace_dir)
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    wall = (time.perf_counter() - start) / args.steps
-    jax.profiler.stop_trace()
-    hlo = engine.runner.executables[(args.batch, 0, 0)].as_text()
-    kernels, host = trace_events(args.trace_dir)
-    report = {"batch": args.batch, "kernels": model.kernels.name, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "wall_ms_per_step": wall * 1e3, **summarise(kernels, host, args.steps, args.top),
-              "decode_program_hlo": hlo_summary(hlo),
-              "top_kernel_traffic": kernel_traffic(kernels, args.steps, hlo, args.top),
-              "decode_program_scratch_bytes": engine.runner.temp_bytes[(args.batch, 0, 0)]}  # fmt: skip
-    print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.hlo_out:
-        with open(args.hlo_out, "w") as f:
-            f.write(hlo)
-    if args.sequence_out:
-        with open(args.sequence_out, "w") as f:
-            f.write(kernel_sequence(kernels, args.steps))
+    return engine, (args.batch, 0, 0)
 
 
 def kernel_sequence(kernels: list[dict], steps: int) -> str:
