@@ -365,78 +365,87 @@ class IncrementalDetokenizer:
     The concatenation of everything `push` and `flush` return equals `tokenizer.decode(all_ids)`. Text that
     ends in U+FFFD (a multi-byte character split across tokens) is held back until it completes.
 
-    It keeps a short window of ids: those from `prefix` (already emitted, kept as decode context) and those
-    from `read` (not yet emitted). Each step decodes only the window, so the cost per token does not grow
-    with the length of the sequence.
+    Each id goes through the tokenizers library's `DecodeStream`, which does the prefix/suffix decode of a
+    short window in Rust (~0.7 us a token against ~4 us for the same walk in Python). Beside it this keeps
+    its own short window: the last few emitted ids (decode context) and the ids not yet emitted, for what the
+    stream cannot do: `flush` the held text, and emit part of a long run that keeps ending in U+FFFD.
     """
 
     # After this many unread ids are held, look for an earlier safe split (a run of invalid bytes can end
     # in U+FFFD for a long time without ever completing).
     MAX_HELD = 8
+    CONTEXT = 4  # emitted ids kept in the window as decode context
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._skip_ids = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._stream = tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
         self._window: list[int] = []
         self._read = 0  # window[:read] is emitted context, window[read:] is pending
-        self._prefix_text = ""  # decode(window[:read])
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _advance(self, split: int) -> None:
-        """Mark window[:split] as emitted; keep window[read:split] as context for the next step."""
-        del self._window[: self._read]
-        self._read = split - self._read
-        self._prefix_text = self._decode(self._window[: self._read])
-
     def push(self, ids: int | Iterable[int]) -> str:
         """Add one or more ids; return the newly completed text (possibly empty)."""
-        if isinstance(ids, numbers.Integral):
-            ids = (ids,)
-        added = False
-        for i in ids:
-            i = int(i)
-            if i < 0:
-                raise ValueError("token ids must be non-negative")
-            # Ids that decode to nothing anywhere are dropped so they cannot grow the window.
-            if i in self._skip_ids or self.tokenizer.backend.id_to_token(i) is None:
-                continue
-            self._window.append(i)
-            added = True
-        if not added:
+        if type(ids) is int or isinstance(ids, numbers.Integral):  # the first test is the fast path: ABCs are slow
+            return self._push_one(int(ids))
+        return "".join([self._push_one(int(i)) for i in ids])
+
+    def _push_one(self, i: int) -> str:
+        if i < 0:
+            raise ValueError("token ids must be non-negative")
+        backend = self.tokenizer.backend
+        # Ids that decode to nothing anywhere are dropped so they cannot grow the window.
+        if i in self._skip_ids or backend.id_to_token(i) is None:
             return ""
-        text = self._decode(self._window)
-        if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT):
-            out = text[len(self._prefix_text) :]
-            self._advance(len(self._window))
-            return out
+        self._window.append(i)
+        text = self._stream.step(backend, i)
+        if text is not None:
+            self._emitted(len(self._window))
+            return text
         if len(self._window) - self._read > self.MAX_HELD:
-            return self._emit_through_safe_split(text)
+            return self._emit_through_safe_split()
         return ""
 
-    def _emit_through_safe_split(self, text: str) -> str:
+    def _emitted(self, split: int) -> None:
+        """window[:split] is emitted; keep its last CONTEXT ids as context."""
+        if split > self.CONTEXT:
+            del self._window[: split - self.CONTEXT]
+            split = self.CONTEXT
+        self._read = split
+
+    def _emit_through_safe_split(self) -> str:
         # A split k is safe when decoding both halves separately gives the same text as decoding the
         # whole window: the bytes before k then end on a character boundary, or in bytes that can no
-        # longer be completed.
-        window = self._window
+        # longer be completed. The stream starts again at the split, fed the held ids after it: its text
+        # does not depend on what precedes the split (a stream seeded with that context would emit the
+        # context again when it holds invalid bytes).
+        window, prefix = self._window, self._decode(self._window[: self._read])
+        text = self._decode(window)
         for k in range(len(window) - 1, self._read, -1):
             head = self._decode(window[:k])
             tail = self._decode(window[k:])
-            if tail and len(head) > len(self._prefix_text) and head + tail == text:
-                out = head[len(self._prefix_text) :]
-                self._advance(k)
+            if tail and len(head) > len(prefix) and head + tail == text:
+                out, held = head[len(prefix) :], window[k:]
+                self._stream = tokenizers.decoders.DecodeStream(skip_special_tokens=self.skip_special_tokens)
+                self._emitted(k)
+                for j, i in enumerate(held):
+                    more = self._stream.step(self.tokenizer.backend, i)
+                    if more is not None:  # emitted through held[j]: the ids after it stay held
+                        out += more
+                        self._emitted(len(self._window) - (len(held) - j - 1))
                 return out
         return ""
 
     def flush(self) -> str:
         """Return all held text, including an incomplete trailing character (as U+FFFD), and reset."""
         text = self._decode(self._window)
-        out = text[len(self._prefix_text) :]
+        out = text[len(self._decode(self._window[: self._read])) :]
         self._window = []
         self._read = 0
-        self._prefix_text = ""
+        self._stream = tokenizers.decoders.DecodeStream(skip_special_tokens=self.skip_special_tokens)
         return out
 
 

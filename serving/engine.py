@@ -128,6 +128,9 @@ class Generation:
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # gathered chunk by chunk
     prompt_logprobs_sent: bool = False
     grammar: GrammarState | None = None  # where the output stands in its grammar, advanced as tokens are read
+    # The sampling row of every step, for a request whose row never changes (`fixed_sampling_row`); None: built
+    # each step.
+    fixed_row: SamplingRow | None = None
 
 
 @dataclasses.dataclass
@@ -152,6 +155,18 @@ class SamplingRow:
         """The step's greedy pick is not this row's token: it samples, or something moves its argmax."""
         return bool(self.temperature > 0 or self.logit_bias or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1 or self.token_mask is not None)  # fmt: skip
+
+
+def fixed_sampling_row(params: GenerationParams) -> SamplingRow | None:
+    """The one sampling row of a greedy request without a mask, penalties or min_tokens: its output index would key
+    only random draws and penalty counts, which it has neither of, so nothing in its row moves from step to step.
+    None for the others."""
+    s = params.sampling
+    if (s.temperature > 0 or params.grammar is not None or params.token_filter is not None or params.min_tokens
+            or s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1):  # fmt: skip
+        return None
+    return SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, 0, params.logprobs or 0, s.logit_bias,
+                       s.presence_penalty, s.frequency_penalty, s.repetition_penalty)  # fmt: skip
 
 
 class Engine:
@@ -191,7 +206,8 @@ class Engine:
                           prompt_logprobs=scored, waits_for_tokens=params.waits_for_tokens,
                           fork_of=fork_of)  # fmt: skip
         grammar = None if params.grammar is None else params.grammar.start()
-        gen = Generation(request, params, on_output, *self._text_tools(params), grammar=grammar)
+        gen = Generation(request, params, on_output, *self._text_tools(params), grammar=grammar,
+                         fixed_row=fixed_sampling_row(params))  # fmt: skip
         with self._wake:
             # A live duplicate would make the loop's scheduler.add raise, which would stop the engine.
             if request_id in self.generations or any(g.request.request_id == request_id for g in self._inbox):
@@ -271,6 +287,9 @@ class Engine:
         rows = []
         for row in itertools.chain(plan.decode, plan.prefill):
             gen = self.generations[row.request_id]
+            if gen.fixed_row is not None:
+                rows.append(gen.fixed_row)
+                continue
             s = gen.params.sampling
             index = gen.request.num_output_tokens - 1  # counted at schedule time for this step
             samples = getattr(row, "is_last", True)  # a chunk before the prompt's last samples nothing
@@ -382,7 +401,7 @@ class Engine:
         """New text for this token (a stop token adds none) and whether a stop string ended the output."""
         if gen.detokenizer is None:
             return "", False
-        text = "" if self._is_stop_token(gen, token) else gen.detokenizer.push([token])
+        text = "" if self._is_stop_token(gen, token) else gen.detokenizer.push(token)
         if reason is not None:
             text += gen.detokenizer.flush()
         if gen.stop_matcher is None or len(gen.output_ids) <= gen.params.min_tokens:

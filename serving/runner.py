@@ -305,6 +305,7 @@ class Runner:
         self.model_def, self.params, self.mixers = model_def, params, mixer_set
         self.spec, self.buckets = spec, buckets
         self.page_table_width = -(-max_model_len // spec.page_size)
+        self._page_arrays: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}  # request id -> its pages, both ways
         self.num_top = num_top_logprobs
         self.trash_slot = spec.num_slots - 1
         self.cache = new_cache(model_def.cfg, spec, model_def.dtype)
@@ -370,10 +371,19 @@ class Runner:
         return len(buckets.keys()) + len(buckets.row_programs()) + len(buckets.prompt_logprobs_chunk)
 
     # ---- inputs ------------------------------------------------------------------------------------------
-    def _page_table(self, rows: list[tuple[int, ...]], pad_to: int) -> np.ndarray:
+    def _page_table(self, rows: list, pad_to: int) -> np.ndarray:
+        """rows: the step's DecodeRows or PrefillChunks. A request holds the same pages from admission to finish,
+        so each row's pages are converted to an array once and reused while the request steps: filling a batch-256
+        table from tuples of 66 ids took 0.55 ms a step on the CPU, from the arrays 0.09 ms."""
         table = np.full((pad_to, self.page_table_width), TRASH_PAGE, np.int32)
-        for i, pages in enumerate(rows):
-            table[i, : len(pages)] = pages
+        cache = self._page_arrays
+        if len(cache) > 4 * max(pad_to, 64):  # requests that stopped stepping: drop them all, keep this step's
+            cache.clear()
+        for i, row in enumerate(rows):
+            entry = cache.get(row.request_id)
+            if entry is None or entry[0] is not row.page_ids:
+                entry = cache[row.request_id] = (row.page_ids, np.asarray(row.page_ids, np.int32))
+            table[i, : len(entry[1])] = entry[1]
         return table
 
     def _decode_side(self, plan: StepPlan, size: int) -> DecodeSide:
@@ -382,7 +392,7 @@ class Runner:
         positions = np.zeros(size, np.int32)
         slots[: len(rows)] = [r.slot for r in rows]
         positions[: len(rows)] = [r.position for r in rows]
-        page_table = self._page_table([r.page_ids for r in rows], size)
+        page_table = self._page_table(rows, size)
         return DecodeSide(tokens=np.zeros(size, np.int32), positions=positions, slots=slots, page_table=page_table)
 
     def _prefill_side(self, plan: StepPlan, num_rows: int, chunk: int) -> PrefillSide:
@@ -392,7 +402,7 @@ class Runner:
         for i, c in enumerate(plan.prefill):
             tokens[i, : len(c.token_ids)] = c.token_ids
             start[i], lengths[i], slots[i] = c.start, len(c.token_ids), c.slot
-        page_table = self._page_table([c.page_ids for c in plan.prefill], num_rows)
+        page_table = self._page_table(plan.prefill, num_rows)
         return PrefillSide(tokens=tokens, start=start, lengths=lengths, slots=slots, page_table=page_table)
 
     def inputs_for(self, plan: StepPlan, key) -> StepInputs:

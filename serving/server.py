@@ -22,6 +22,7 @@ submission's disconnect watcher, and its request is aborted at once.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -43,7 +44,7 @@ from qwen35_jax.serving.responses import ResponseBuilder
 from qwen35_jax.serving.responses_api import ResponsesAPI, renamed, to_chat
 from qwen35_jax.serving.scheduler import RequestRejected
 from qwen35_jax.serving.server_config import ServerConfig
-from qwen35_jax.serving.submission import Submission
+from qwen35_jax.serving.submission import OutputRelay, Submission
 
 # `serve` (serving/cli.py) and the tests start a server from this module alone.
 __all__ = ["OpenAIServer", "ServerConfig", "UvicornServer", "bind", "create_app", "listen_url"]
@@ -63,6 +64,7 @@ class OpenAIServer:
         self.preparer = RequestPreparer(engine, tokenizer, config)
         self.responses = ResponseBuilder(config.served_model_name, LogprobFormatter(tokenizer))
         self.responses_api = ResponsesAPI(config.served_model_name)
+        self._relay: OutputRelay | None = None  # made on the event loop, at the first request
 
     @property
     def version(self) -> str:
@@ -96,7 +98,9 @@ class OpenAIServer:
     def submit(self, prepared: Prepared, http_request: HTTPRequest, fork_of: str | None = None) -> Submission:
         """Hands one choice to the engine; the submission counts as in progress until it is closed. fork_of: an
         earlier choice with the same prompt, whose prefill this one shares."""
-        submission = Submission(self.engine, prepared, self.metrics.timer(), self._release)
+        if self._relay is None or self._relay.loop is not asyncio.get_running_loop():
+            self._relay = OutputRelay(asyncio.get_running_loop())
+        submission = Submission(self.engine, prepared, self.metrics.timer(), self._release, self._relay)
         self.num_active += 1
         self.metrics.requests_active.inc()
         try:

@@ -4,6 +4,7 @@ loop, a client that goes away aborts its request, and `close` releases it whiche
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
 
 from qwen35_jax.serving.engine import RequestOutput
@@ -15,23 +16,53 @@ from qwen35_jax.serving.prompts import Prepared
 ENGINE_CHECK_SECONDS = 5.0
 
 
+class OutputRelay:
+    """Carries outputs from the engine thread to one event loop's queues, waking the loop once for all the outputs
+    that arrive before it runs, rather than once per output: each wake-up is a write to the loop's self-pipe (a
+    system call, dear under gVisor), and a step of B requests delivers B outputs at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, RequestOutput]] = []
+
+    def put(self, queue: asyncio.Queue, output: RequestOutput) -> None:
+        """Runs on the engine thread."""
+        with self._lock:
+            self._pending.append((queue, output))
+            if len(self._pending) > 1:  # a drain is already on its way
+                return
+        if self.loop.is_closed():  # the server has stopped and nobody is listening
+            with self._lock:
+                self._pending.clear()
+            return
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for queue, output in batch:
+            queue.put_nowait(output)
+
+
 class Submission:
     """The HTTP side's handle on one submitted request; created by `OpenAIServer.submit`, one per request.
 
     The engine keeps its own state of the request (`Generation`, and the scheduler's `Request`); this
     object only bridges threads. `on_output` runs on the engine thread and queues each `RequestOutput` on
-    the event loop, where `outputs()` yields them until the finish. A task waits for the client's
+    the event loop (through the loop's `OutputRelay`), where `outputs()` yields them until the finish. A task waits for the client's
     `http.disconnect` and then closes the submission, which aborts the request at once, so the engine
     frees its slot and pages before its next step. `close` also hands the server's capacity back
     (`release`).
     """
 
-    def __init__(self, engine, prepared: Prepared, timer: RequestTimer, release: Callable[[], None]):
+    def __init__(self, engine, prepared: Prepared, timer: RequestTimer, release: Callable[[], None],
+                 relay: OutputRelay):  # fmt: skip
         self.engine = engine
         self.prepared = prepared
         self.timer = timer
         self.release = release
-        self.loop = asyncio.get_running_loop()
+        self.relay = relay
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.finished = False
         self.closed = False
@@ -44,8 +75,7 @@ class Submission:
     def on_output(self, output: RequestOutput) -> None:
         """Runs on the engine thread."""
         self.timer.record(len(output.token_ids), output.finish_reason)
-        if not self.loop.is_closed():  # closed: the server has stopped and nobody is listening
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        self.relay.put(self.queue, output)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
