@@ -27,7 +27,7 @@ from qwen35_jax.kernels.conv1d import (
 )
 from qwen35_jax.kernels.decode_attention import paged_decode_attention_pallas, paged_decode_attention_ref
 from qwen35_jax.kernels.gdn_decode import gdn_decode_pool_packed_pallas, gdn_decode_pool_packed_ref
-from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_pallas, gdn_chunked_prefill_ref
+from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_packed_pallas, gdn_chunked_prefill_packed_ref
 from qwen35_jax.kernels.linear import linear_pallas, linear_parts_pallas, linear_parts_ref, linear_ref
 from qwen35_jax.kernels.residual_norm import residual_norm_pallas, residual_norm_ref
 
@@ -38,7 +38,8 @@ class Mixers(NamedTuple):
     """The kernels a step calls; the decode-side ones update the GDN slot pools in place."""
 
     name: str
-    gdn_prefill: object  # (q, k, v, g, beta, state, lengths) -> (out, state): chunked, ragged prefill rows
+    gdn_prefill: object  # (qkv, g, beta, state, lengths) -> (out, state): chunked, ragged prefill rows; qkv is the
+    # conv's output, q, k and v side by side
     gdn_decode: object  # (qkv, g, beta, pool, layer, slots) -> (out, pool): one token, state in the pool; qkv is
     # the conv's output, q, k and v side by side
     conv_prefill: object  # (x, weight, conv_state, lengths) -> (out, conv_state)
@@ -51,12 +52,12 @@ class Mixers(NamedTuple):
 
 
 REF = Mixers(
-    "ref", gdn_chunked_prefill_ref, gdn_decode_pool_packed_ref, causal_conv1d_prefill_ref, causal_conv1d_update_pool_ref,
+    "ref", gdn_chunked_prefill_packed_ref, gdn_decode_pool_packed_ref, causal_conv1d_prefill_ref, causal_conv1d_update_pool_ref,
     paged_decode_attention_ref, prefill_attention_ref, linear_ref, linear_parts_ref, residual_norm_ref,
 )  # fmt: skip
 
 _PALLAS = (
-    gdn_chunked_prefill_pallas, gdn_decode_pool_packed_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pool_pallas,
+    gdn_chunked_prefill_packed_pallas, gdn_decode_pool_packed_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pool_pallas,
     paged_decode_attention_pallas, prefill_attention_pallas, linear_pallas, linear_parts_pallas, residual_norm_pallas,
 )  # fmt: skip
 # Each kernel is wrapped in its own jax.jit: a step calls the same kernel at the same shapes in many layers

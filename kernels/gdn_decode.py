@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from qwen35_jax.kernels.gdn_prefill import prepare_qk
+from qwen35_jax.kernels.gdn_prefill import prepare_qk, split_packed_heads
 
 EPS = 1e-6
 
@@ -187,12 +187,7 @@ def _pool_call(q, k, v, g, beta, pool, layer, slots, trash_slot, grid, qkv_specs
 def split_packed(qkv, pool):
     """q [B, nk, dk], k [B, nk, dk], v [B, nv, dv] of the conv's output qkv [B, 2 nk dk + nv dv] (that order: the
     checkpoint's in_proj_qkv rows), the head geometry read from pool [L, S, nv, dk, dv]."""
-    num_value_heads, dk, dv = pool.shape[2:]
-    key_dim = (qkv.shape[-1] - num_value_heads * dv) // 2
-    lead = qkv.shape[:-1]
-    q, k, v = jnp.split(qkv, (key_dim, 2 * key_dim), axis=-1)
-    return (q.reshape(*lead, key_dim // dk, dk), k.reshape(*lead, key_dim // dk, dk),
-            v.reshape(*lead, num_value_heads, dv))  # fmt: skip
+    return split_packed_heads(qkv, *pool.shape[2:])
 
 
 def gdn_decode_pool_packed_ref(qkv, g, beta, pool, layer, slots, trash_slot="last"):

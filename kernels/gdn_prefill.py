@@ -116,8 +116,8 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state, lengths):
 #      every dv slice recomputed it): 0.187 / 0.351 / 0.656 ms against 0.218 / 0.406 / 0.791 ms with the output inside
 #      the walk at 1k / 2k / 4k tokens (H200, 4B heads, one row, bf16).
 # No jnp glue runs over the activations: l2norm, the query scale and the key-head -> value-head repeat (a BlockSpec
-# index map) happen inside the kernels; the only glue is a pad of the token axis up to a multiple of 64 when T is not
-# one (the engine's chunk buckets are powers of two >= 16, so only T = 16 or 32 pads, a few KiB).
+# index map) happen inside the kernels, and the packed form reads q, k and v out of the conv's one output (each
+# BlockSpec picks its heads); the only glue is a pad of the token axis up to a multiple of 64 when T is not one.
 # Precision depends on the input dtype (fp32 accumulation throughout; gates, decays, norms and the state stay fp32):
 # - bf16 inputs ("tf32"): matmul operands stay fp32 and multiply in TF32, except the products whose rounding barely
 #   moves the output (`_coarse`: bf16); the diagonal blocks are inverted by repeated squaring (exact fp32 matmuls).
@@ -341,18 +341,37 @@ def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def _wy_prep(k, v, g, beta, lengths, dots: str, interpret: bool, num_warps: int):
-    """k [P, T, nk, dk], v [P, T, nv, dv], g/beta [P, T, nv] -> w [P, nv, T, dk], u [P, nv, T, dv], gamma [P, nv, T]."""
-    num_rows, seq, num_heads, dv = v.shape
-    dk = k.shape[-1]
-    ratio = num_heads // k.shape[2]
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    """Where the kernels read q, k and v: arrays [P, T, heads, d] (three, or one packed array three times) and the
+    head each starts at, so a BlockSpec picks value head h's heads without a copy: q's and k's at head
+    first + h // ratio, v's at v_first + h."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    q_first: int
+    k_first: int
+    v_first: int
+    key_heads: int
+
+    @property
+    def seq(self) -> int:
+        return self.q.shape[1]
+
+
+def _wy_prep(heads: _Heads, g, beta, lengths, dots: str, interpret: bool, num_warps: int):
+    """k, v (`heads`), g/beta [P, T, nv] -> w [P, nv, T, dk], u [P, nv, T, dv], gamma [P, nv, T]."""
+    num_rows, seq, num_heads = g.shape
+    dk, dv = heads.k.shape[-1], heads.v.shape[-1]
+    ratio, k0, v0 = num_heads // heads.key_heads, heads.k_first, heads.v_first
     return pl.pallas_call(
         functools.partial(_wy_prep_kernel, dots=dots),
         grid=(num_rows, num_heads, seq // CHUNK),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, c: (p,)),
-            pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c: (p, c, h // ratio, 0)),
-            pl.BlockSpec((None, CHUNK, None, dv), lambda p, h, c: (p, c, h, 0)),
+            pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c: (p, c, k0 + h // ratio, 0)),
+            pl.BlockSpec((None, CHUNK, None, dv), lambda p, h, c: (p, c, v0 + h, 0)),
             pl.BlockSpec((None, CHUNK, None), lambda p, h, c: (p, c, h)),
             pl.BlockSpec((None, CHUNK, None), lambda p, h, c: (p, c, h)),
         ],
@@ -369,15 +388,15 @@ def _wy_prep(k, v, g, beta, lengths, dots: str, interpret: bool, num_warps: int)
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="gdn_prefill_wy_prep",
-    )(lengths, k, v, g, beta)
+    )(lengths, heads.k, heads.v, g, beta)
 
 
-def _chunk_states(k, w, u, gamma, state, lengths, tuning: GdnPrefillTuning, dots: str, interpret: bool):
+def _chunk_states(heads: _Heads, w, u, gamma, state, lengths, tuning: GdnPrefillTuning, dots: str, interpret: bool):
     """The sequential pass; returns each chunk's start state [P, nv, n, dk, dv] and V' [P, nv, T, dv] (both in u's
     dtype) and the new state [P, nv, dk, dv] (fp32)."""
     num_rows, num_heads, seq, dv = u.shape
-    dk = k.shape[-1]
-    ratio = num_heads // k.shape[2]
+    dk = heads.k.shape[-1]
+    ratio, k0 = num_heads // heads.key_heads, heads.k_first
     block_v = min(tuning.block_v, dv)
     u_spec = pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j))
     state_spec = pl.BlockSpec((None, None, dk, block_v), lambda p, h, j: (p, h, 0, j))
@@ -386,7 +405,7 @@ def _chunk_states(k, w, u, gamma, state, lengths, tuning: GdnPrefillTuning, dots
         grid=(num_rows, num_heads, dv // block_v),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, j: (p,)),
-            pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, h // ratio, 0)),  # k: the key head's rows
+            pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, k0 + h // ratio, 0)),  # k: the key head's rows
             pl.BlockSpec((None, None, seq, dk), lambda p, h, j: (p, h, 0, 0)),  # w
             u_spec,
             pl.BlockSpec((None, None, seq), lambda p, h, j: (p, h, 0)),  # gamma
@@ -406,24 +425,23 @@ def _chunk_states(k, w, u, gamma, state, lengths, tuning: GdnPrefillTuning, dots
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="gdn_prefill_chunk_states",
-    )(lengths, k, w, u, gamma, state)
+    )(lengths, heads.k, w, u, gamma, state)
 
 
-def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, tuning: GdnPrefillTuning, dots: str,
+def _chunk_outputs(heads: _Heads, gamma, states, v_new, lengths, out_dtype, tuning: GdnPrefillTuning, dots: str,
                    interpret: bool):  # fmt: skip
     """The parallel output pass: one program per (row, value head, chunk, dv slice); returns o [P, T, nv, dv]."""
     num_rows, num_heads, seq, dv = v_new.shape
-    dk = q.shape[-1]
-    ratio = num_heads // q.shape[2]
+    dk = heads.q.shape[-1]
+    ratio, q0, k0 = num_heads // heads.key_heads, heads.q_first, heads.k_first
     block_v = min(tuning.output_block_v, dv)
-    chunk_rows = pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, h // ratio, 0))
     return pl.pallas_call(
         functools.partial(_chunk_output_kernel, dots=dots, scale=dk**-0.5),
         grid=(num_rows, num_heads, seq // CHUNK, dv // block_v),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, c, j: (p,)),
-            chunk_rows,
-            chunk_rows,
+            pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, q0 + h // ratio, 0)),
+            pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, k0 + h // ratio, 0)),
             pl.BlockSpec((None, None, CHUNK), lambda p, h, c, j: (p, h, c)),
             pl.BlockSpec((None, None, None, dk, block_v), lambda p, h, c, j: (p, h, c, 0, j)),
             pl.BlockSpec((None, None, CHUNK, block_v), lambda p, h, c, j: (p, h, c, j)),
@@ -433,7 +451,7 @@ def _chunk_outputs(q, k, gamma, states, v_new, lengths, out_dtype, tuning: GdnPr
         compiler_params=plt.CompilerParams(num_warps=tuning.output_warps, num_stages=2),
         interpret=interpret,
         name="gdn_prefill_chunk_output",
-    )(lengths, q, k, gamma, states, v_new)
+    )(lengths, heads.q, heads.k, gamma, states, v_new)
 
 
 def gdn_chunked_prefill_pallas(q, k, v, g, beta, state, lengths, *, interpret=False,
@@ -445,16 +463,59 @@ def gdn_chunked_prefill_pallas(q, k, v, g, beta, state, lengths, *, interpret=Fa
     The output at padding tokens (index >= length) is zero (the ref leaves S^T q there); callers must not read it.
     dk and dv must be powers of two >= 16 (Triton tiles); T any length (padded to a multiple of 64 inside).
     """
-    num_rows, seq, num_heads, dv = v.shape
-    dk = q.shape[-1]
-    assert k.shape == q.shape and num_heads % q.shape[2] == 0, (q.shape, k.shape, v.shape)
+    assert k.shape == q.shape and v.shape[2] % q.shape[2] == 0, (q.shape, k.shape, v.shape)
+    q, k, v = (_pad_tokens(x) for x in (q, k, v))
+    heads = _Heads(q, k, v, 0, 0, 0, key_heads=q.shape[2])
+    return _prefill_calls(heads, g, beta, state, lengths, q.dtype, interpret, tuning)
+
+
+def gdn_chunked_prefill_packed_ref(qkv, g, beta, state, lengths):
+    """`gdn_chunked_prefill_ref` on the conv's packed output qkv [P, T, 2 nk dk + nv dv] (q, k, v side by side, the
+    checkpoint's in_proj_qkv order), the head geometry read from state [P, nv, dk, dv]."""
+    return gdn_chunked_prefill_ref(*split_packed_heads(qkv, *state.shape[1:]), g, beta, state, lengths)
+
+
+def gdn_chunked_prefill_packed_pallas(qkv, g, beta, state, lengths, *, interpret=False,
+                                      tuning: GdnPrefillTuning | None = None):  # fmt: skip
+    """`gdn_chunked_prefill_pallas` reading q, k and v where the conv wrote them: qkv viewed as [P, T, heads, d]
+    rows of d = dk = dv (a bitcast), each kernel's BlockSpecs pick their heads from it. Slicing them apart first
+    cost three copy kernels a GDN layer (13 us of a 4B layer's ~400 at 1024 tokens on the H200). Head dims that
+    differ take the slices."""
+    num_value_heads, dk, dv = state.shape[1:]
+    if dk != dv:
+        return gdn_chunked_prefill_pallas(*split_packed_heads(qkv, num_value_heads, dk, dv), g, beta, state, lengths,
+                                          interpret=interpret, tuning=tuning)  # fmt: skip
+    key_heads = (qkv.shape[-1] - num_value_heads * dv) // (2 * dk)
+    rows = _pad_tokens(qkv.reshape(*qkv.shape[:2], -1, dk))
+    heads = _Heads(rows, rows, rows, 0, key_heads, 2 * key_heads, key_heads=key_heads)
+    return _prefill_calls(heads, g, beta, state, lengths, qkv.dtype, interpret, tuning)
+
+
+def split_packed_heads(qkv, num_value_heads: int, dk: int, dv: int):
+    """q [P, T, nk, dk], k [P, T, nk, dk], v [P, T, nv, dv] of the packed qkv [P, T, 2 nk dk + nv dv]."""
+    key_dim = (qkv.shape[-1] - num_value_heads * dv) // 2
+    lead = qkv.shape[:-1]
+    q, k, v = jnp.split(qkv, (key_dim, 2 * key_dim), axis=-1)
+    return (q.reshape(*lead, key_dim // dk, dk), k.reshape(*lead, key_dim // dk, dk),
+            v.reshape(*lead, num_value_heads, dv))  # fmt: skip
+
+
+def _pad_tokens(x):
+    """x [P, T, ...] with T padded to a multiple of CHUNK (the engine's chunk buckets are powers of two >= 16, so
+    only T = 16 or 32 pads, a few KiB)."""
+    return pad_to(x, (x.shape[0], x.shape[1] + (-x.shape[1]) % CHUNK, *x.shape[2:]))
+
+
+def _prefill_calls(heads: _Heads, g, beta, state, lengths, out_dtype, interpret, tuning):
+    num_rows, seq, num_heads = g.shape
+    dk, dv = state.shape[-2:]
     assert all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv)), f"dk={dk}, dv={dv}: powers of two >= 16"
     tuning = tuning or gdn_prefill_tuning(num_rows, num_heads, dv)
-    dots = "ieee" if q.dtype == jnp.float32 else "tf32"
-    padded = seq + (-seq) % CHUNK
-    q, k, v, g, beta = (pad_to(x, (x.shape[0], padded, *x.shape[2:])) for x in (q, k, v, g, beta))
+    dots = "ieee" if out_dtype == jnp.float32 else "tf32"
+    g, beta = (_pad_tokens(x) for x in (g, beta))
     lengths = lax.clamp(0, lengths.astype(jnp.int32), seq)
-    w, u, gamma = _wy_prep(k, v, g.astype(jnp.float32), beta, lengths, dots, interpret, tuning.prep_warps)
-    states, v_new, state = _chunk_states(k, w, u, gamma, state.astype(jnp.float32), lengths, tuning, dots, interpret)
-    out = _chunk_outputs(q, k, gamma, states, v_new, lengths, v.dtype, tuning, dots, interpret)
+    w, u, gamma = _wy_prep(heads, g.astype(jnp.float32), beta, lengths, dots, interpret, tuning.prep_warps)
+    states, v_new, state = _chunk_states(heads, w, u, gamma, state.astype(jnp.float32), lengths, tuning, dots,
+                                         interpret)  # fmt: skip
+    out = _chunk_outputs(heads, gamma, states, v_new, lengths, out_dtype, tuning, dots, interpret)
     return out[:, :seq], state

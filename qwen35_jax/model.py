@@ -195,16 +195,6 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = Linear(cfg.gdn_value_dim, cfg.hidden_size, dtype)
 
-    def _split_qkv(self, mixed):
-        cfg = self.cfg
-        key_dim, axis = cfg.gdn_key_dim, mixed.ndim - 1
-        q, k, v = (lax.slice_in_dim(mixed, lo, hi, axis=axis)
-                   for lo, hi in ((0, key_dim), (key_dim, 2 * key_dim), (2 * key_dim, mixed.shape[-1])))  # fmt: skip
-        lead = mixed.shape[:-1]
-        return (q.reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
-                k.reshape(*lead, cfg.linear_num_key_heads, cfg.linear_key_head_dim),
-                v.reshape(*lead, cfg.linear_num_value_heads, cfg.linear_value_head_dim))  # fmt: skip
-
     def _decode(self, ctx, mixed, g, beta, pools, layer):
         """The decode rows' conv and recurrent states are updated where they live, in the slot pools: one read
         and one write of each (gathering them into the step and scattering them back took three)."""
@@ -216,8 +206,7 @@ class GatedDeltaNet(nnx.Module):
     def _prefill(self, ctx, mixed, g, beta, state: GdnState):
         mixed, conv = ctx.mixers.conv_prefill(mixed, self.conv1d.weight[...][:, 0, :], state.conv,
                                               ctx.inputs.prefill.lengths)  # fmt: skip
-        q, k, v = self._split_qkv(mixed)
-        out, ssm = ctx.mixers.gdn_prefill(q, k, v, g, beta, state.ssm, ctx.inputs.prefill.lengths)
+        out, ssm = ctx.mixers.gdn_prefill(mixed, g, beta, state.ssm, ctx.inputs.prefill.lengths)
         return out, GdnState(ssm, conv)
 
     def __call__(self, x, state: GdnState | None, ctx: StepContext, pools: KVPages, layer):

@@ -30,6 +30,8 @@ from qwen35_jax.kernels.gdn_decode import gdn_decode_ref
 from qwen35_jax.kernels.gdn_prefill import (
     _unit_lower_inverses,
     _unit_lower_inverses_doubling,
+    gdn_chunked_prefill_packed_pallas,
+    gdn_chunked_prefill_packed_ref,
     gdn_chunked_prefill_pallas,
     gdn_chunked_prefill_ref,
     gdn_prefill_tuning,
@@ -269,6 +271,46 @@ def test_wrapper_holds_no_nested_jit(seq):
     assert "pallas_call" in names and not {"jit", "pjit", "closed_call"} & set(names), names
 
 
+def packed(q, k, v):
+    """The conv's output as the model hands it over: q, k and v side by side, [P, T, 2 nk dk + nv dv]."""
+    return jnp.concatenate([x.reshape(*x.shape[:2], -1) for x in (q, k, v)], axis=-1)
+
+
+@pytest.mark.parametrize(
+    "seq, nk, nv, dk, dv, dtype",
+    [(80, 2, 4, 32, 32, "bfloat16"), (64, 1, 2, 16, 16, "float32"), (64, 2, 2, 32, 16, "float32")],
+    ids=["ratio2-bf16", "ratio2-fp32", "dk-ne-dv"],
+)
+def test_packed_reads_q_k_v_from_the_conv_output(seq, nk, nv, dk, dv, dtype):
+    """The packed entry point equals the kernel on the three slices bit for bit (the same programs on the same
+    values: a wrong head offset into the packed rows reads another head's values), and the packed reference equals
+    the reference; ragged rows, T not a multiple of 64, and head dims that differ (which take the slices)."""
+    q, k, v, g, beta, state = make_inputs(6, 3, seq, nk, nv, dk, dv, jnp.dtype(dtype))
+    lengths = jnp.array([seq, seq - 21, 1], jnp.int32)
+    qkv = packed(q, k, v)
+    got = jax.jit(lambda *a: gdn_chunked_prefill_packed_pallas(*a, interpret=True))(qkv, g, beta, state, lengths)
+    want = pallas(q, k, v, g, beta, state, lengths)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    for x, y in zip(jax.jit(gdn_chunked_prefill_packed_ref)(qkv, g, beta, state, lengths),
+                    reference(q, k, v, g, beta, state, lengths), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_packed_lowers_to_triton_for_h200_without_slices():
+    """At 4B shapes the packed form lowers to the three Triton kernels and nothing slices the packed rows apart
+    (the copies it exists to save)."""
+    rows, seq, dtype = 2, 128, jnp.bfloat16
+    spec = jax.ShapeDtypeStruct
+    args = [spec((rows, seq, 2 * 16 * 128 + 32 * 128), dtype), spec((rows, seq, 32), jnp.float32),
+            spec((rows, seq, 32), dtype), spec((rows, 32, 128, 128), jnp.float32), spec((rows,), jnp.int32)]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = lower_for_h200(gdn_chunked_prefill_packed_pallas, *args).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    assert "stablehlo.slice" not in text
+
+
 def test_rejects_tile_unfriendly_head_sizes():
     inputs = make_inputs(3, 1, 64, 1, 1, 24, 16, jnp.float32)
     with pytest.raises(AssertionError, match="powers of two"):
@@ -306,3 +348,15 @@ def test_gpu_state_carries_across_calls_at_4b_shapes():
     joined = np.concatenate([np.asarray(out_1, np.float32), np.asarray(out_2, np.float32)], axis=1)
     valid = valid_mask(lengths, 2 * seq)[..., None, None]
     assert relative_error(np.where(valid, joined, 0), np.where(valid, np.asarray(out_full, np.float32), 0)) <= 2.5e-2
+
+
+@pytest.mark.gpu
+def test_gpu_packed_matches_the_slices_at_4b_shapes():
+    """The packed form on the GPU at 4B heads, against the kernel on the three slices: the same programs on the same
+    values, so bit for bit."""
+    q, k, v, g, beta, state = make_inputs(7, 2, 1024, 16, 32, 128, 128, jnp.bfloat16)
+    lengths = jnp.array([1024, 700], jnp.int32)
+    got = jax.jit(gdn_chunked_prefill_packed_pallas)(packed(q, k, v), g, beta, state, lengths)
+    want = pallas(q, k, v, g, beta, state, lengths, interpret=False)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
