@@ -5,11 +5,13 @@ from the conv state (the last K-1 inputs seen), or zeros for a fresh sequence. C
 Rounding follows HF: the conv result is rounded to the model dtype before the SiLU.
 
 Layouts:
-    x          [P, T, C] (prefill) or [B, C] (one-token update), model dtype
+    x          [P, T, C'] (prefill) or [B, C'] (one-token update), model dtype, C' >= C: the conv reads x's first C
+               columns, so the GDN's input projection hands over its whole product (conv input, then z, b and a)
+               and no copy slices the conv's columns out of it for the kernel
     weight     [C, K] model dtype
     conv_state [rows, K-1, C] model dtype, oldest input first (zeros for a fresh sequence)
     lengths    [P] valid tokens per row
-Returns y (same shape as x, model dtype) and each row's new conv state: its last K-1 valid inputs.
+Returns y ([P, T, C] or [B, C], model dtype) and each row's new conv state: its last K-1 valid inputs.
 
 Pallas kernels (Triton lowering). Channels are independent (depthwise), so both kernels block over them;
 channel rows are contiguous in memory, which makes every load and store a coalesced vector.
@@ -85,6 +87,7 @@ def _conv_silu(window: jax.Array, weight: jax.Array, out_len: int) -> jax.Array:
 
 
 def causal_conv1d_prefill_ref(x, weight, conv_state, lengths):
+    x = x[..., : weight.shape[0]]
     seq, keep = x.shape[1], conv_state.shape[1]
     window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)
     y = _conv_silu(window, weight, seq)
@@ -93,6 +96,7 @@ def causal_conv1d_prefill_ref(x, weight, conv_state, lengths):
 
 
 def causal_conv1d_update_ref(x, weight, conv_state):
+    x = x[..., : weight.shape[0]]
     window = jnp.concatenate([conv_state.astype(x.dtype), x[:, None, :]], axis=1)
     y = _conv_silu(window, weight, 1)[:, 0]
     return y, window[:, 1:].astype(conv_state.dtype)
@@ -140,9 +144,8 @@ def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret
                                      tuning: ConvUpdateTuning = CONV_UPDATE_TUNING):  # fmt: skip
     """Pallas version of `causal_conv1d_update_pool_ref` (module notes, in-pool update). Not jitted: the kernel
     set jits it once (kernels.PALLAS)."""
-    batch, channels = x.shape
-    taps = weight.shape[1]
-    assert pool.shape[2:] == (taps - 1, channels), (pool.shape, weight.shape)
+    batch, channels, taps = x.shape[0], *weight.shape
+    assert pool.shape[2:] == (taps - 1, channels) and x.shape[1] >= channels, (x.shape, pool.shape, weight.shape)
     block_c = _block(channels, tuning.block_c)
     row_spec = pl.BlockSpec((None, block_c), lambda b, c: (b, c))
     whole = pl.BlockSpec(memory_space=pl.ANY)  # the kernel finds its rows from slots
@@ -151,7 +154,7 @@ def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret
         grid=(batch, channels // block_c),
         in_specs=[whole, whole, row_spec, pl.BlockSpec((block_c, taps), lambda b, c: (c, 0)), whole],
         out_specs=[row_spec, whole],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
+        out_shape=[jax.ShapeDtypeStruct((batch, channels), x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
         input_output_aliases={4: 1},  # pool in -> pool out: only the step's rows are written
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
@@ -193,8 +196,8 @@ def _prefill_kernel(lengths_ref, x_ref, weight_ref, state_ref, y_ref, new_state_
 def causal_conv1d_prefill_pallas(x, weight, conv_state, lengths, *, interpret=False,
                                  tuning: ConvPrefillTuning = CONV_PREFILL_TUNING):  # fmt: skip
     """Pallas version of `causal_conv1d_prefill_ref` (same arguments and result; module notes)."""
-    rows, seq, channels = x.shape
-    taps = weight.shape[1]
+    (rows, seq, width), (channels, taps) = x.shape, weight.shape
+    assert width >= channels, (x.shape, weight.shape)
     block_t, block_c = _block(seq, tuning.block_t), _block(channels, tuning.block_c)
     seq_spec = pl.BlockSpec((None, seq, block_c), lambda p, t, c: (p, 0, c))
     state_spec = pl.BlockSpec((None, taps - 1, block_c), lambda p, t, c: (p, 0, c))
@@ -208,7 +211,10 @@ def causal_conv1d_prefill_pallas(x, weight, conv_state, lengths, *, interpret=Fa
             state_spec,
         ],
         out_specs=[seq_spec, state_spec],
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, seq, channels), x.dtype),
+            jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+        ],  # fmt: skip
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="conv1d_prefill",

@@ -195,6 +195,21 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = Linear(cfg.gdn_value_dim, cfg.hidden_size, dtype)
 
+    def _in_projections(self, x, linear):
+        """(the product whose first conv_dim columns are the conv's input, z, b, a). The conv kernels read their
+        columns where the product wrote them: a slice handed to them would be copied first (12 us a layer at
+        1024 tokens on the H200). Over more than FUSED_QKV_MAX_ROWS rows the conv input and z, whose width tiles
+        well, are one product and b and a another; up to it, all four are one."""
+        cfg = self.cfg
+        weight, nv = self.in_proj.weight[...], cfg.linear_num_value_heads
+        qkvz = cfg.conv_dim + cfg.gdn_value_dim
+        if math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
+            product, ba = linear(x, weight[:qkvz]), linear(x, weight[qkvz:])
+        else:
+            product = linear(x, weight)
+            ba = product[..., qkvz:]
+        return product, product[..., cfg.conv_dim : qkvz], ba[..., :nv], ba[..., nv:]
+
     def _decode(self, ctx, mixed, g, beta, pools, layer):
         """The decode rows' conv and recurrent states are updated where they live, in the slot pools: one read
         and one write of each (gathering them into the step and scattering them back took three)."""
@@ -213,8 +228,7 @@ class GatedDeltaNet(nnx.Module):
         """x [N, hidden]; state: this layer's prefill rows' states (None in a step without prefill rows); the decode
         rows' states are GDN layer `layer` of pools.ssm and pools.conv. Returns (out_proj's output as partial sums,
         new state, pools)."""
-        linear = ctx.mixers.linear
-        mixed, z, b, a = _projections(self.cfg, "in_proj", self.in_proj, x, linear)
+        mixed, z, b, a = self._in_projections(x, ctx.mixers.linear)
         beta = jax.nn.sigmoid(b)
         a = a.astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))

@@ -176,6 +176,27 @@ def test_update_pool_ref_is_gather_update_scatter():
     np.testing.assert_array_equal(np.asarray(new_pool), expected_pool)
 
 
+def test_both_kernels_read_the_first_columns_of_a_wider_input():
+    """The model hands the conv its input projection's whole product (the conv's C columns, then z, b and a): the
+    kernels and the references on x with 200 more columns of garbage (NaN) give what they give on x itself, bit for
+    bit, with outputs C wide."""
+    channels, seq = 384, 24
+    x, weight, state = conv_inputs(jax.random.PRNGKey(7), (2, seq), channels, jnp.bfloat16)
+    wide = jnp.concatenate([x, jnp.full((2, seq, 200), jnp.nan, x.dtype)], axis=-1)
+    lengths = jnp.array([seq, 9], jnp.int32)
+    for fn in (causal_conv1d_prefill_ref, lambda *a: causal_conv1d_prefill_pallas(*a, interpret=True)):
+        for got, want in zip(fn(wide, weight, state, lengths), fn(x, weight, state, lengths), strict=True):
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(np.float32(got), np.float32(want))
+    pool, slots, _ = pool_case(3, 2, channels, jnp.bfloat16, padding=1)
+    for fn in (causal_conv1d_update_pool_ref, lambda *a: causal_conv1d_update_pool_pallas(*a, interpret=True)):
+        narrow = fn(x[:, 0][jnp.array([0, 1, 1])], weight, pool, jnp.int32(1), slots)
+        got = fn(wide[:, 0][jnp.array([0, 1, 1])], weight, pool, jnp.int32(1), slots)
+        for g, w in zip(got, narrow, strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_array_equal(np.float32(g), np.float32(w))
+
+
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_update_pool_lowers_to_triton_for_h200():
     """4B shapes at batch 64 over a [24, 257, 3, 8192] bf16 pool (given abstractly): it lowers, the pool (operand
