@@ -50,8 +50,9 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
                    help="prompt tokens prefilled per step at most")  # fmt: skip
     p.add_argument("--max-prefill-chunks", type=int, default=None,
-                   help="prompts one prefill-only step may carry, padded within --max-prefill-tokens "
-                        "(default: 8; 1 under --deterministic)")  # fmt: skip
+                   help="prompts one step may carry, padded within --max-prefill-tokens; beside decode rows, "
+                        "prompts of up to --max-prefill-tokens / this many tokens (default: 8; 1 under "
+                        "--deterministic)")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None,
                    help=f"longest prompt + output, in tokens (default: the model's, at most {defaults.max_model_len})")  # fmt: skip
     p.add_argument("--gpu-memory-fraction", type=float, default=defaults.gpu_memory_fraction,

@@ -30,9 +30,10 @@ DEFAULT_COMPILE_CACHE = Path(os.environ.get("QWEN35_JAX_COMPILE_CACHE", Path.hom
 class EngineConfig:
     max_batch: int = 16
     max_prefill_tokens: int = 1024
-    # Prompts one prefill-only step may carry (a step with decode rows carries one): short prompts that arrive
-    # together prefill together, within one full chunk of padded tokens (`plan.packed_chunk_cap`). None:
-    # DEFAULT_PREFILL_CHUNKS, or 1 under `deterministic`.
+    # Prompts one step may carry: short prompts that arrive together prefill together, within one full chunk of
+    # padded tokens (`plan.packed_chunk_cap`); beside decode rows, prompts of up to max_prefill_tokens /
+    # max_prefill_chunks tokens (one chunk under `--decode-overlap stream`). None: DEFAULT_PREFILL_CHUNKS, or 1
+    # under `deterministic`.
     max_prefill_chunks: int | None = None
     max_model_len: int = 8192
     page_size: int = 16
@@ -148,7 +149,8 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         spec.num_slots, spec.num_slots * bytes_per_slot(model.config, model.dtype) / 2**30,
     )  # fmt: skip
     buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks,
-                                 config.prompt_logprobs_chunk, batch_invariant=config.deterministic)  # fmt: skip
+                                 config.prompt_logprobs_chunk, batch_invariant=config.deterministic,
+                                 pack_beside_decode=config.decode_overlap == "off")  # fmt: skip
     on_gpu = jax.default_backend() == "gpu"
     use_store = on_gpu if config.program_store is None else config.program_store
     store = str(Path(config.compile_cache) / "programs") if config.compile_cache and use_store else None

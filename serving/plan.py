@@ -47,17 +47,31 @@ def packed_chunk_buckets(max_prefill_tokens: int) -> tuple[int, ...]:
     return tuple(t for t in chunk_buckets(max_prefill_tokens) if t >= min(PACKED_MIN_CHUNK, max_prefill_tokens))
 
 
-def packed_chunk_cap(num_chunks: int, max_prefill_tokens: int, max_prefill_chunks: int) -> int:
-    """The longest chunk a prefill-only step of `num_chunks` chunks may carry (0: none). Its program pads every
-    chunk to a bucket of `packed_chunk_buckets`, and the programs compute at most `max_prefill_tokens` padded
-    tokens, so that packing short prompts never costs more than one full chunk: P chunks (P a row bucket) of
-    T-token buckets with P x T <= max_prefill_tokens (`runner.Buckets.keys`)."""
+def packed_chunk_cap(num_chunks: int, max_prefill_tokens: int, max_prefill_chunks: int,
+                     beside_decode: bool = False) -> int:  # fmt: skip
+    """The longest chunk a step of `num_chunks` chunks may carry (0: none). Its program pads every chunk to a
+    bucket of `packed_chunk_buckets`, and the programs compute at most `max_prefill_tokens` padded tokens, so that
+    packing short prompts never costs more than one full chunk: in a prefill-only step P chunks (P a row bucket)
+    of T-token buckets with P x T <= max_prefill_tokens (`runner.Buckets.keys`). Beside decode rows the chunks are
+    short ones, T <= max_prefill_tokens / max_prefill_chunks (`packed_unified_chunk_buckets`), so that one
+    program of the most chunks holds every such step."""
     if num_chunks == 1:
         return max_prefill_tokens
     if num_chunks > max_prefill_chunks:
         return 0
+    if beside_decode:
+        return max(packed_unified_chunk_buckets(max_prefill_tokens, max_prefill_chunks), default=0)
     rows = bucket_for(num_chunks, power_of_two_buckets(max_prefill_chunks))
     return max((t for t in packed_chunk_buckets(max_prefill_tokens) if rows * t <= max_prefill_tokens), default=0)
+
+
+def packed_unified_chunk_buckets(max_prefill_tokens: int, max_prefill_chunks: int) -> tuple[int, ...]:
+    """Tokens per chunk of the programs that carry several chunks beside decode rows: the packed buckets within
+    max_prefill_tokens / max_prefill_chunks (none with one chunk a step)."""
+    if max_prefill_chunks == 1:
+        return ()
+    buckets = packed_chunk_buckets(max_prefill_tokens)
+    return tuple(t for t in buckets if t * max_prefill_chunks <= max_prefill_tokens)
 
 
 PREFILL = "prefill"

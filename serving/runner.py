@@ -50,7 +50,14 @@ from qwen35_jax.serving.device_sampling import (
     resample,
     top_logprobs,
 )
-from qwen35_jax.serving.plan import PACKED_MIN_CHUNK, StepPlan, bucket_for, chunk_buckets, power_of_two_buckets
+from qwen35_jax.serving.plan import (
+    PACKED_MIN_CHUNK,
+    StepPlan,
+    bucket_for,
+    chunk_buckets,
+    packed_unified_chunk_buckets,
+    power_of_two_buckets,
+)
 from qwen35_jax.serving.pools import TRASH_PAGE
 from qwen35_jax.serving.program_store import ProgramStore, compile_noting_cache
 
@@ -91,20 +98,28 @@ class Buckets:
     prompt_logprobs_chunk: tuple[int, ...] = ()  # tokens per chunk of a prompt-logprobs step (none: no such step)
     # False: no step carries both sides, so there are no unified programs (`--deterministic`).
     unified: bool = True
+    # Tokens per chunk of the unified programs with several chunks (`packed_unified_keys`); none: a step with
+    # decode rows carries one chunk.
+    packed_unified_chunk: tuple[int, ...] = ()
 
     @classmethod
     def for_limits(cls, max_batch: int, max_prefill_tokens: int, max_prefill_chunks: int,
-                   prompt_logprobs_chunk: int = 0, batch_invariant: bool = False) -> Buckets:  # fmt: skip
+                   prompt_logprobs_chunk: int = 0, batch_invariant: bool = False,
+                   pack_beside_decode: bool = True) -> Buckets:  # fmt: skip
         """batch_invariant: every decode step runs the `max_batch` program, whatever its row count, and no step
         packs decode rows beside a chunk. A product's rounding depends on its row count, never on the other
-        rows' values or on where a row sits, so a request's tokens then do not depend on what shares its step."""
+        rows' values or on where a row sits, so a request's tokens then do not depend on what shares its step.
+        pack_beside_decode: steps with decode rows may carry several short chunks
+        (`SchedulerConfig.chunks_beside_decode`)."""
         scored = power_of_two_buckets(prompt_logprobs_chunk, smallest=min(16, prompt_logprobs_chunk))
+        packs = pack_beside_decode and not batch_invariant
         return cls(
             decode=(max_batch,) if batch_invariant else power_of_two_buckets(max_batch),
             prefill_rows=power_of_two_buckets(max_prefill_chunks),
             chunk=chunk_buckets(max_prefill_tokens),
             prompt_logprobs_chunk=scored if prompt_logprobs_chunk else (),
             unified=not batch_invariant,
+            packed_unified_chunk=packed_unified_chunk_buckets(max_prefill_tokens, max_prefill_chunks) if packs else (),
         )
 
     @property
@@ -130,13 +145,19 @@ class Buckets:
         return self.rows_of(self.keys())
 
     def keys(self) -> list[tuple[int, int, int]]:
-        """Every (B, P, T) program: decode-only, prefill-only and unified. Prefill-only programs pack several
-        chunks only where their padded tokens stay within one full chunk (`plan.packed_chunk_cap`); a step
-        with decode rows carries one chunk."""
+        """Every (B, P, T) program: decode-only, prefill-only and unified. Programs pack several chunks only where
+        their padded tokens stay within one full chunk (`plan.packed_chunk_cap`)."""
         decode = [(b, 0, 0) for b in self.decode]
         prefill = [(0, 1, t) for t in self.chunk]
         prefill += [(0, p, t) for p in self.prefill_rows[1:] for t in self.packed_chunk if p * t <= self.chunk[-1]]
-        return decode + prefill + self.unified_keys()
+        return decode + prefill + self.unified_keys() + self.packed_unified_keys()
+
+    def packed_unified_keys(self) -> list[tuple[int, int, int]]:
+        """Several short chunks beside decode rows: prompts that arrive while others decode prefill together.
+        Only at the largest decode bucket: beside P x T prompt tokens, padding decode rows costs little (see
+        `unified_decode`), and the largest of them, (B, max chunks, longest T), holds every such step."""
+        b = self.unified_decode[-1] if self.unified_decode else 0
+        return [(b, p, t) for p in self.prefill_rows[1:] for t in self.packed_unified_chunk] if b else []
 
     def ready_keys(self) -> list[tuple[int, int, int]]:
         """The fewest programs that can run every plan, each padded up to one of them: the largest decode-only,
@@ -147,8 +168,8 @@ class Buckets:
             fits = [t for t in self.packed_chunk if p * t <= self.chunk[-1]]
             if fits:
                 keys.append((0, p, fits[-1]))
-        unified = self.unified_keys()
-        return keys + ([max(unified)] if unified else [])
+        unified, packed = self.unified_keys(), self.packed_unified_keys()
+        return keys + ([max(unified)] if unified else []) + ([max(packed)] if packed else [])
 
     def rows_of(self, keys) -> list[tuple[str, int]]:
         """The row programs the steps of `keys` use, with the prompt-token marker and the prefix copy."""
@@ -159,6 +180,16 @@ class Buckets:
     def packed_chunk(self) -> tuple[int, ...]:
         """Chunk buckets of the prefill-only programs with several chunks (`plan.packed_chunk_buckets`)."""
         return tuple(t for t in self.chunk if t >= min(PACKED_MIN_CHUNK, self.chunk[-1]))
+
+    def _packed_unified_key(self, plan: StepPlan, longest: int) -> tuple[int, int, int]:
+        chunks = self.packed_unified_chunk
+        if not chunks or len(plan.prefill) > self.prefill_rows[-1] or longest > chunks[-1]:
+            raise ValueError(
+                f"step {plan.step_id} packs decode rows beside {len(plan.prefill)} prompt chunks of up to {longest} "
+                f"tokens, which these buckets never do (beside decode rows: chunks of up to "
+                f"{chunks[-1] if chunks else 0} tokens, at most {self.prefill_rows[-1] if chunks else 1} of them)"
+            )
+        return self.unified_decode[-1], bucket_for(len(plan.prefill), self.prefill_rows), bucket_for(longest, chunks)
 
     def unified_keys(self, chunks: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
         """The unified programs, at the given chunk buckets (all of them by default)."""
@@ -173,10 +204,11 @@ class Buckets:
             return bucket_for(plan.num_decode_rows, self.decode) if plan.decode else 0, 0, 0
         b = bucket_for(plan.num_decode_rows, self.unified_decode or self.decode) if plan.decode else 0
         longest = max(len(c.token_ids) for c in plan.prefill)
-        if b and (not self.unified or len(plan.prefill) > 1):
+        if b and len(plan.prefill) > 1:
+            return self._packed_unified_key(plan, longest)
+        if b and not self.unified:
             raise ValueError(
-                f"step {plan.step_id} packs decode rows beside {len(plan.prefill)} prompt chunks, which these buckets "
-                f"never do (unified programs: {self.unified}, one chunk each)"
+                f"step {plan.step_id} packs decode rows beside a prompt chunk, which these buckets never do"
             )
         rows = bucket_for(len(plan.prefill), self.prefill_rows)
         key = b, rows, bucket_for(longest, self.unified_chunk if b else self.packed_chunk if rows > 1 else self.chunk)

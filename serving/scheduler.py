@@ -105,7 +105,7 @@ class SchedulerConfig:
     policy: str = "off"
     # "stream" when the runner overlaps the prefill chunk with decode on separate streams.
     decode_overlap: str = "off"
-    # Requests that may each get a prompt chunk in one step.
+    # Requests that may each get a prompt chunk in one step (`chunks_beside_decode` in a step with decode rows).
     max_prefill_chunks: int = 1
     # `auto`: a decoder with this many tokens left or fewer makes the step decode-only.
     finishing_window: int = 4
@@ -116,6 +116,13 @@ class SchedulerConfig:
     # chunks of `max_prefill_tokens` from its start, so that the programs a request's tokens pass through, and
     # their shapes, do not depend on what else is running (the runner's half: one decode bucket).
     batch_invariant: bool = False
+
+    @property
+    def chunks_beside_decode(self) -> int:
+        """Prompt chunks a step with decode rows may carry. Several short ones under `off`, as many as a
+        prefill-only step: prompts that arrive while others decode are not fed one a step. One under `stream`,
+        whose budget is measured on the one-chunk programs."""
+        return self.max_prefill_chunks if self.decode_overlap == "off" else 1
 
     def __post_init__(self):
         for name in ("max_batch", "max_prefill_tokens", "page_size", "max_model_len", "max_prefill_chunks"):
@@ -365,17 +372,17 @@ class Scheduler:
         return row
 
     def _launch_chunks(self, budget: int, beside_decode: bool) -> list[PrefillChunk]:
-        """Prompt chunks in FCFS order, within the token budget: one beside decode rows; in a prefill-only step up
-        to `max_prefill_chunks`, each cut so that the step's padded tokens stay within one full chunk
+        """Prompt chunks in FCFS order, within the token budget: up to `max_prefill_chunks` (`chunks_beside_decode`
+        beside decode rows), each cut so that the step's padded tokens stay within one full chunk
         (`packed_chunk_cap`), which lets short prompts that arrive together prefill together."""
         config, chunks, longest = self.config, [], 0
-        limit = 1 if beside_decode else config.max_prefill_chunks
+        limit = config.chunks_beside_decode if beside_decode else config.max_prefill_chunks
         # Listed before any chunk launches: a request that takes a copy in this step feeds only in a later one,
         # after the copy has run.
         for request in list(self._prompts_to_feed()):
             if budget == 0 or len(chunks) == limit:
                 break
-            cap = packed_chunk_cap(len(chunks) + 1, config.max_prefill_tokens, config.max_prefill_chunks)
+            cap = packed_chunk_cap(len(chunks) + 1, config.max_prefill_tokens, config.max_prefill_chunks, beside_decode)
             if cap < longest:  # one more chunk would pad the ones taken past the step's programs
                 break
             chunks.append(self._launch_chunk(request, min(request.feedable, budget, cap)))

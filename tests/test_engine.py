@@ -427,7 +427,8 @@ def test_chunked_prefill_matches_unchunked(engine, chunked_engine, monkeypatch):
 
 def test_short_prompts_that_arrive_together_prefill_in_one_step(engines, tiny_model, engine, monkeypatch):
     """Four short prompts in one prefill-only step (P = 4, each chunk padded to 64 tokens: 256 padded tokens, the
-    budget), each continued as it is alone on `engine` (other programs: logprobs within LOGPROB_ATOL)."""
+    budget), and three in one step beside a decode row, each continued as it is alone on `engine` (other
+    programs: logprobs within LOGPROB_ATOL)."""
     packed = engines.build(tiny_model, compile_now=False, max_batch=4, max_prefill_tokens=256, max_prefill_chunks=4,
                            max_model_len=512)  # fmt: skip
     try:
@@ -437,6 +438,25 @@ def test_short_prompts_that_arrive_together_prefill_in_one_step(engines, tiny_mo
         assert spy.keys[0] == (0, 4, 64) and [len(c.token_ids) for c in spy.plans[0].prefill] == [7, 20, 33, 60]
         for got, want in zip(together, [generate(engine, [request])[0] for request in requests], strict=True):
             assert_same_greedy(got, want)
+        # Three short prompts that arrive while another request decodes prefill in one step beside its row
+        # (chunks of up to 256 / 4 = 64 tokens beside decode rows: program (4, 4, 64)).
+        decoder, arrivals = (
+            (prompt(30, seed=230), greedy(10)),
+            [(prompt(n, seed=231 + n), greedy(6)) for n in (9, 25, 50)],
+        )
+        collector, start = Collector(), len(spy.plans)
+        decoder_id = packed.submit(*decoder, collector)
+        packed.step()
+        ids = [packed.submit(*request, collector) for request in arrivals]
+        packed.run_until_done()
+        mixed = [
+            (key, plan) for key, plan in zip(spy.keys[start:], spy.plans[start:], strict=True) if len(plan.prefill) > 1
+        ]
+        assert [(key, len(plan.decode), [len(c.token_ids) for c in plan.prefill]) for key, plan in mixed] == [
+            ((4, 4, 64), 1, [9, 25, 50])
+        ]
+        for request_id, request in zip([decoder_id, *ids], [decoder, *arrivals], strict=True):
+            assert_same_greedy(collector.result(request_id, len(request[0])), generate(engine, [request])[0])
     finally:
         engines.release(packed)
 
@@ -1062,9 +1082,13 @@ def test_the_program_set_at_the_serving_defaults():
     largest decode bucket, packed prefill-only programs within 1024 padded tokens, and plans mapped to them."""
     buckets = Buckets.for_limits(16, 1024, 8)
     keys = buckets.keys()
-    assert buckets.unified_decode == (4, 8, 16) and len(keys) == 5 + 7 + 9 + 15 == len(set(keys))
+    assert buckets.unified_decode == (4, 8, 16) and len(keys) == 5 + 7 + 9 + 15 + 6 == len(set(keys))
     assert sorted(k for k in keys if k[0] == 0 and k[1] > 1) == [
         (0, 2, 64), (0, 2, 128), (0, 2, 256), (0, 2, 512), (0, 4, 64), (0, 4, 128), (0, 4, 256), (0, 8, 64), (0, 8, 128)
+    ]  # fmt: skip
+    # Beside decode rows, chunks of up to 1024 / 8 = 128 tokens, at the largest decode bucket only.
+    assert sorted(k for k in keys if k[0] and k[1] > 1) == [
+        (16, 2, 64), (16, 2, 128), (16, 4, 64), (16, 4, 128), (16, 8, 64), (16, 8, 128)
     ]  # fmt: skip
 
     def chunk(length: int) -> PrefillChunk:
@@ -1075,8 +1099,14 @@ def test_the_program_set_at_the_serving_defaults():
     assert buckets.key_for(StepPlan(0, (row,) * 3, (), "decode", 0)) == (4, 0, 0)
     assert buckets.key_for(StepPlan(0, (), (chunk(100),) * 3, "prefill", 300)) == (0, 4, 128)
     assert buckets.key_for(StepPlan(0, (), (chunk(10),) * 5, "prefill", 50)) == (0, 8, 64)
+    assert buckets.key_for(StepPlan(0, (row,), (chunk(10),) * 2, "unified", 20)) == (16, 2, 64)
+    assert buckets.key_for(StepPlan(0, (row,) * 9, (chunk(100),) * 5, "unified", 500)) == (16, 8, 128)
+    with pytest.raises(ValueError, match="beside 2 prompt chunks of up to 200 tokens"):
+        buckets.key_for(StepPlan(0, (row,), (chunk(200), chunk(10)), "unified", 210))
+    stream = Buckets.for_limits(16, 1024, 8, pack_beside_decode=False)
+    assert not [k for k in stream.keys() if k[0] and k[1] > 1]
     with pytest.raises(ValueError, match="beside 2 prompt chunks"):
-        buckets.key_for(StepPlan(0, (row,), (chunk(10),) * 2, "unified", 20))
+        stream.key_for(StepPlan(0, (row,), (chunk(10),) * 2, "unified", 20))
     with pytest.raises(ValueError, match="exceed the largest chunk"):
         buckets.key_for(StepPlan(0, (), (chunk(300),) * 3, "prefill", 900))
 

@@ -22,6 +22,7 @@ from qwen35_jax.serving.plan import (
     StepPlan,
     bucket_for,
     packed_chunk_buckets,
+    packed_unified_chunk_buckets,
     power_of_two_buckets,
 )
 from qwen35_jax.serving.pools import TRASH_PAGE, PagePool, SlotPool, pages_needed
@@ -239,14 +240,42 @@ def test_a_packed_step_never_pads_past_one_full_chunk():
     long, short = make_request("long", 200, 2), make_request("short", 5, 2)
     scheduler = scheduler_with(long, short, max_prefill_tokens=256, max_prefill_chunks=4)
     assert [c.request_id for c in scheduler.schedule().prefill] == ["long"]
-    # With the long prompt decoding, the short one prefills beside it: one chunk beside decode rows.
+    # With the long prompt decoding, the short one prefills beside it.
     plan = scheduler.schedule()
     assert [c.request_id for c in plan.prefill] == ["short"] and len(plan.decode) == 1
 
 
-def test_a_step_with_decode_rows_carries_one_chunk():
+def test_prompts_that_arrive_while_others_decode_prefill_together():
+    # Beside decode rows, chunks of up to 256 / 4 = 64 tokens: the three short prompts go in one step with the
+    # first 64 tokens of the 100-token one, which finishes in the next beside the last prompt.
+    decoder = make_request("d", 3, 8)
+    scheduler = scheduler_with(decoder, max_prefill_tokens=256, max_prefill_chunks=4, max_batch=8, num_slots=9)
+    scheduler.schedule()
+    for i, length in enumerate((4, 60, 9, 100, 7)):
+        scheduler.add(make_request(f"p{i}", length, 2))
+    plans = [scheduler.schedule() for _ in range(3)]
+    assert [[(c.request_id, len(c.token_ids)) for c in plan.prefill] for plan in plans] == [
+        [("p0", 4), ("p1", 60), ("p2", 9), ("p3", 64)],
+        [("p3", 36), ("p4", 7)],
+        [],
+    ]
+    assert all(len(plan.decode) >= 1 for plan in plans)
+
+
+def test_a_long_front_chunk_runs_alone_beside_decode_rows():
     decoder = make_request("d", 3, 8)
     scheduler = scheduler_with(decoder, max_prefill_tokens=256, max_prefill_chunks=4)
+    scheduler.schedule()
+    scheduler.add(make_request("long", 200, 2))
+    scheduler.add(make_request("short", 4, 2))
+    plans = [scheduler.schedule() for _ in range(2)]
+    assert [[(c.request_id, len(c.token_ids)) for c in plan.prefill] for plan in plans] == [[("long", 200)],
+                                                                                            [("short", 4)]]  # fmt: skip
+
+
+def test_under_stream_overlap_a_step_with_decode_rows_carries_one_chunk():
+    decoder = make_request("d", 3, 8)
+    scheduler = scheduler_with(decoder, max_prefill_tokens=256, max_prefill_chunks=4, decode_overlap="stream")
     scheduler.schedule()
     for i in range(3):
         scheduler.add(make_request(f"p{i}", 4, 2))
@@ -721,8 +750,11 @@ class EngineModel:
         self.seen[plan.action] += 1
         assert plan.num_decode_rows <= config.max_batch and len(plan.prefill) <= config.max_prefill_chunks
         assert plan.num_prefill_tokens <= plan.budget <= config.max_prefill_tokens
-        if plan.decode:
-            assert len(plan.prefill) <= 1, "decode rows beside several chunks"
+        if plan.decode and len(plan.prefill) > 1:  # short chunks, of a length the packed unified programs hold
+            assert len(plan.prefill) <= config.chunks_beside_decode, "decode rows beside several chunks"
+            short = packed_unified_chunk_buckets(config.max_prefill_tokens, config.max_prefill_chunks)
+            assert max(len(c.token_ids) for c in plan.prefill) <= short[-1]
+            self.seen["packed beside decode"] += 1
         elif len(plan.prefill) > 1:  # the step's program exists: its padded tokens stay within one full chunk
             rows = bucket_for(len(plan.prefill), power_of_two_buckets(config.max_prefill_chunks))
             longest = bucket_for(
@@ -818,7 +850,11 @@ def arrival_number(request: Request) -> int:
 
 def random_config(pick: Callable[[int, int], int]) -> SchedulerConfig:
     """A small config; `pick(lo, hi)` draws an integer in [lo, hi] (from hypothesis or a seeded rng)."""
-    max_batch, page_size, max_prefill_tokens = pick(1, 4), pick(1, 8), pick(1, 160)
+    # A third of the configs have room for several short chunks beside decode rows (128 tokens or more) and for
+    # enough requests to fill them.
+    wide = pick(0, 2) == 0
+    max_batch, page_size = pick(3, 6) if wide else pick(1, 4), pick(1, 8)
+    max_prefill_tokens = pick(128, 256) if wide else pick(1, 160)
     batch_invariant = pick(0, 3) == 0
     return SchedulerConfig(
         max_batch=max_batch,
@@ -876,5 +912,6 @@ def test_long_seeded_traffic_meets_every_situation():
         "prefill", "decode", "unified", "idle", "partial chunk", "last chunk", "prefill deferred",
         "rejected", "waiting behind running", "stop", "length", "abort waiting", "abort prefilling",
         "abort decoding", "abort decoding done sampling", "prompt logprobs", "prompt only", "batch-invariant turn", "prefix copied", "packed",
+        "packed beside decode",
     ]  # fmt: skip
     assert {name: seen[name] for name in situations if seen[name] == 0} == {}
