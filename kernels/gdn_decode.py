@@ -8,7 +8,8 @@ Layouts:
     q, k        [B, nk, dk]   model dtype (after conv + SiLU)
     v           [B, nv, dv]   model dtype
     g           [B, nv]       fp32;  beta [B, nv] model dtype
-    pool        [L, S, nv, dk, dv] fp32: every GDN layer's recurrent state of every slot
+    pool        [L, S, nv, dk, dv] fp32 or bf16 (storage only: the math is fp32): every GDN layer's recurrent
+                state of every slot
     layer       int32 scalar (may be traced): which layer of the pool this call updates
     slots       [B] int32, 0 <= slots[b] < S: row b's state is pool[layer, slots[b]]; the last slot (S - 1) is the
                 trash slot (`trash_slot`: another index, or None for none), and a row there is padding: its o is 0
@@ -41,7 +42,7 @@ so element offsets into it must be 64-bit. The kernel indexes its pl.ANY pool re
 slots[b], head) and slices, as the paged attention kernels index their page pools: the Triton lowering then
 widens every index to int64 before multiplying by its stride whenever the array is larger than 2^32 bytes
 (`_compute_offsets_from_indices` in jax/_src/pallas/triton/lowering.py); smaller pools keep int32 offsets,
-which cannot overflow there (at most 2^30 fp32 elements). tests/test_kernels_gdn_decode.py checks the int64
+which cannot overflow there (at most 2^30 fp32 or 2^31 bf16 elements). tests/test_kernels_gdn_decode.py checks the int64
 address arithmetic in the lowered Triton IR at 4B shapes.
 """
 
@@ -70,6 +71,7 @@ class GdnDecodeTuning:
 
 
 GDN_DECODE_TUNING = GdnDecodeTuning()
+POOL_DTYPES = (jnp.float32, jnp.bfloat16)  # the state's storage (`cache.SSM_DTYPES`); the step is fp32 either way
 
 
 def gdn_decode_ref(q, k, v, g, beta, state):
@@ -121,12 +123,13 @@ def _trash(pool, trash_slot):
 
 def gdn_decode_pool_ref(q, k, v, g, beta, pool, layer, slots, trash_slot="last"):
     """`gdn_decode_ref` on the rows pool[layer, slots[b]]; returns (o, pool with those rows replaced). Rows at
-    `trash_slot` (by default the last; None: none) are padding: o 0, and the trash slot keeps its state."""
+    `trash_slot` (by default the last; None: none) are padding: o 0, and the trash slot keeps its state. The pool
+    is fp32 or bf16 (`cache.SSM_DTYPES`); the step computes in fp32 and stores the new state in the pool's type."""
     rows = pool[layer, slots]
-    o, state = gdn_decode_ref(q, k, v, g, beta, rows)
+    o, state = gdn_decode_ref(q, k, v, g, beta, rows.astype(jnp.float32))
     padding = slots == _trash(pool, trash_slot)
     o = jnp.where(padding[:, None, None], jnp.zeros((), o.dtype), o)
-    return o, pool.at[layer, slots].set(jnp.where(padding[:, None, None, None], rows, state))
+    return o, pool.at[layer, slots].set(jnp.where(padding[:, None, None, None], rows, state.astype(pool.dtype)))
 
 
 def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, new_pool_ref, *,
@@ -145,7 +148,8 @@ def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_r
     @pl.when(jnp.logical_not(padding))
     def _():
         tile = (layer_ref[0], slot, head, slice(None), pl.ds(block * block_dv, block_dv))
-        o, new_pool_ref[tile] = _step(q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref[tile])
+        o, state = _step(q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref[tile].astype(jnp.float32))
+        new_pool_ref[tile] = state.astype(new_pool_ref.dtype)
         o_ref[...] = o.astype(o_ref.dtype)
 
     @pl.when(padding)
@@ -158,7 +162,7 @@ def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, trash_slot="las
     """Pallas version of `gdn_decode_pool_ref` (same arguments and result; module notes for the aliasing and
     the trash slot). Not jitted: the kernel set jits it once (kernels.PALLAS)."""
     _, num_value_heads, dv = v.shape
-    assert pool.dtype == jnp.float32 and pool.shape[2:] == (num_value_heads, q.shape[-1], dv), (pool.shape, pool.dtype)
+    assert pool.dtype in POOL_DTYPES and pool.shape[2:] == (num_value_heads, q.shape[-1], dv), (pool.shape, pool.dtype)
     grid, (key_spec, value_spec, head_spec) = _tiling(q, v, tuning.block_dv)
     return _pool_call(q, k, v, g, beta, pool, layer, slots, trash_slot, grid, (key_spec, key_spec, value_spec),
                       value_spec, head_spec, tuning, interpret)  # fmt: skip
@@ -175,7 +179,7 @@ def _pool_call(q, k, v, g, beta, pool, layer, slots, trash_slot, grid, qkv_specs
         in_specs=[whole, whole, *qkv_specs, head_spec, head_spec, whole],
         out_specs=[out_spec, whole],
         out_shape=[jax.ShapeDtypeStruct((batch, num_value_heads, pool.shape[-1]), v.dtype),
-                   jax.ShapeDtypeStruct(pool.shape, jnp.float32)],
+                   jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
         input_output_aliases={7: 1},  # pool in -> pool out: only the step's rows are written
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,

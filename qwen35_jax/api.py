@@ -61,6 +61,9 @@ class LoadedModel:
         self.tokenizer = tokenizer
         self.kernels = mixers(kernels)
         self.page_size = page_size
+        # The GDN states' storage in this API's caches (`cache.SSM_DTYPES`), as `--mamba-ssm-cache-dtype` sets the
+        # engine's: the golden gate checks either.
+        self.ssm_dtype = "float32"
         self.model_def, _ = abstract_model(cfg, dtype)
 
     def _check_ids(self, token_ids) -> list[int]:
@@ -75,7 +78,7 @@ class LoadedModel:
     def _single_cache(self, num_tokens: int):
         # A power-of-two page count keeps the set of compiled shapes small across prompt lengths.
         pages = max(8, 1 << (-(-num_tokens // self.page_size) - 1).bit_length())
-        spec = CacheSpec(num_pages=pages + 1, page_size=self.page_size, num_slots=2)
+        spec = CacheSpec(num_pages=pages + 1, page_size=self.page_size, num_slots=2, ssm_dtype=self.ssm_dtype)
         page_table = jnp.arange(1, pages + 1, dtype=jnp.int32)[None, :]
         return new_cache(self.config, spec, self.dtype), page_table
 

@@ -489,7 +489,7 @@ def forward(
     if states is not None:  # the prefill rows' states go back to their slots
         slots = inputs.prefill.slots
         ssm_pool, conv_pool = (
-            pool.at[:, slots].set(rows.reshape(cfg.num_linear_layers, *rows.shape[2:]))
+            pool.at[:, slots].set(rows.reshape(cfg.num_linear_layers, *rows.shape[2:]).astype(pool.dtype))
             for pool, rows in ((ssm_pool, states.ssm), (conv_pool, states.conv))
         )
     cache = Cache(k_pages=kv.k_pages, v_pages=kv.v_pages, ssm=ssm_pool, conv=conv_pool)
@@ -550,7 +550,8 @@ def layout_for_platform(params, platform: str | None = None) -> dict:
 
 def _gather_prefill_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config) -> GdnState | None:
     """The prefill rows' GDN states, [groups, linear_per_group, P, ...], read once per step (the loop carries only
-    these rows, never the whole pools); a row that starts a new sequence reads zeros. None without prefill rows."""
+    these rows, never the whole pools); a row that starts a new sequence reads zeros. None without prefill rows.
+    The recurrent states are fp32 here whatever the pool stores (`CacheSpec.ssm_dtype`)."""
     if inputs.prefill is None:
         return None
     slots, fresh = inputs.prefill.slots, inputs.prefill.fresh
@@ -560,4 +561,4 @@ def _gather_prefill_states(cache: Cache, inputs: StepInputs, cfg: Qwen35Config) 
         x = jnp.where(fresh.reshape(1, -1, *([1] * (x.ndim - 2))), jnp.zeros((), x.dtype), x)
         return x.reshape(cfg.num_groups, cfg.linear_per_group, *x.shape[1:])
 
-    return GdnState(rows(cache.ssm), rows(cache.conv))
+    return GdnState(rows(cache.ssm).astype(jnp.float32), rows(cache.conv))

@@ -58,6 +58,9 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=defaults.gpu_memory_fraction,
                    help="fraction of free device memory for the KV pool and state slots")  # fmt: skip
     p.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (default: from memory)")
+    p.add_argument("--mamba-ssm-cache-dtype", default=defaults.mamba_ssm_cache_dtype,
+                   help="storage of the GDN layers' recurrent states: float32 (HF's precision; auto is float32) or "
+                        "bfloat16 (half the state's bytes and slot memory; the math stays fp32)")  # fmt: skip
     p.add_argument("--prompt-logprobs-chunk", type=int, default=defaults.prompt_logprobs_chunk,
                    help="largest chunk of a prompt-logprobs step (echo with logprobs, prompt_logprobs); "
                         "0: none compiled, such requests get a 400")  # fmt: skip
@@ -113,7 +116,7 @@ def engine_config(args, max_position_embeddings: int):
             scheduler_policy=args.scheduler_policy, decode_overlap=args.decode_overlap,
             overlap_step_bound=args.overlap_step_bound, compile_cache=cache,
             prompt_logprobs_chunk=args.prompt_logprobs_chunk, deterministic=args.deterministic,
-            background_compile=args.background_compile,
+            background_compile=args.background_compile, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         )  # fmt: skip
     except ValueError as err:
         raise FlagError(str(err)) from None

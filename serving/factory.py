@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 
-from qwen35_jax.cache import CacheSpec, bytes_per_page, bytes_per_slot
+from qwen35_jax.cache import SSM_DTYPES, CacheSpec, bytes_per_page, bytes_per_slot
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.serving.engine import Engine
 from qwen35_jax.serving.runner import Buckets, Runner
@@ -39,6 +39,9 @@ class EngineConfig:
     page_size: int = 16
     gpu_memory_fraction: float = 0.85
     num_pages: int | None = None  # explicit KV pool size (CPU); on GPU it comes from the memory fraction
+    # The GDN recurrent states' storage (`cache.SSM_DTYPES`; vLLM's flag name). "auto" is float32, the precision
+    # HF keeps them in; bfloat16 halves their traffic, which a decode step spends per row.
+    mamba_ssm_cache_dtype: str = "float32"
     scheduler_policy: str = "off"
     decode_overlap: str = "off"
     # Under stream overlap, a step that carries a prompt chunk beside decode rows costs at most this many times
@@ -67,6 +70,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_prefill_chunks is None:
             object.__setattr__(self, "max_prefill_chunks", 1 if self.deterministic else DEFAULT_PREFILL_CHUNKS)
+        if self.mamba_ssm_cache_dtype == "auto":
+            object.__setattr__(self, "mamba_ssm_cache_dtype", "float32")
         whole_set_first = self.deterministic or self.decode_overlap == "stream"
         if self.background_compile and whole_set_first:
             raise ValueError(
@@ -86,6 +91,8 @@ class EngineConfig:
             (0.0 < self.gpu_memory_fraction <= 1.0,
              f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}"),
             (self.num_pages is None or self.num_pages >= 2, f"--num-pages must be >= 2, got {self.num_pages}"),
+            (self.mamba_ssm_cache_dtype in SSM_DTYPES,
+             f"--mamba-ssm-cache-dtype must be auto|{'|'.join(SSM_DTYPES)}, got {self.mamba_ssm_cache_dtype!r}"),
             (self.scheduler_policy in ("off", "auto"), f"--scheduler-policy must be off|auto, got {self.scheduler_policy!r}"),
             (self.decode_overlap in ("off", "stream"), f"--decode-overlap must be off|stream, got {self.decode_overlap!r}"),
             (isinstance(self.overlap_step_bound, (int, float)) and not isinstance(self.overlap_step_bound, bool)
@@ -125,18 +132,19 @@ def _device_free_bytes() -> int | None:
 
 def cache_spec(cfg: Qwen35Config, dtype, config: EngineConfig, activation_reserve: int = 2 << 30) -> CacheSpec:
     """Slots: one per decode row plus the trash slot. Pages: explicit, or what the memory budget allows."""
-    num_slots = config.max_batch + 1
+    num_slots, ssm_dtype = config.max_batch + 1, config.mamba_ssm_cache_dtype
     if config.num_pages is not None:
-        return CacheSpec(config.num_pages, config.page_size, num_slots)
+        return CacheSpec(config.num_pages, config.page_size, num_slots, ssm_dtype)
     free = _device_free_bytes()
     if free is None:  # CPU: enough for every slot to hold a full-length sequence
         pages = config.max_batch * -(-config.max_model_len // config.page_size) + 1
-        return CacheSpec(pages, config.page_size, num_slots)
-    budget = int(free * config.gpu_memory_fraction) - activation_reserve - num_slots * bytes_per_slot(cfg, dtype)
+        return CacheSpec(pages, config.page_size, num_slots, ssm_dtype)
+    slots = num_slots * bytes_per_slot(cfg, dtype, ssm_dtype)
+    budget = int(free * config.gpu_memory_fraction) - activation_reserve - slots
     pages = budget // bytes_per_page(cfg, config.page_size, dtype)
     if pages < 2:
         raise ValueError(f"no room for the KV pool: {budget} bytes left for it; lower --max-batch")
-    return CacheSpec(int(pages), config.page_size, num_slots)
+    return CacheSpec(int(pages), config.page_size, num_slots, ssm_dtype)
 
 
 def build_engine(model, config: EngineConfig, compile_now: bool = True, progress=None) -> Engine:
@@ -144,9 +152,10 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
     enable_compile_cache(config.compile_cache)
     spec = cache_spec(model.config, model.dtype, config)
     log.info(
-        "caches: %d KV pages of %d tokens (%.2f GiB), %d GDN slots (%.2f GiB)",
+        "caches: %d KV pages of %d tokens (%.2f GiB), %d GDN slots (%.2f GiB, states in %s)",
         spec.num_pages, spec.page_size, spec.num_pages * bytes_per_page(model.config, spec.page_size, model.dtype) / 2**30,
-        spec.num_slots, spec.num_slots * bytes_per_slot(model.config, model.dtype) / 2**30,
+        spec.num_slots, spec.num_slots * bytes_per_slot(model.config, model.dtype, spec.ssm_dtype) / 2**30,
+        spec.ssm_dtype,
     )  # fmt: skip
     buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks,
                                  config.prompt_logprobs_chunk, batch_invariant=config.deterministic,

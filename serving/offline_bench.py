@@ -30,10 +30,11 @@ def parameter_count(cfg) -> int:
     return sum(int(np.prod(p.shape)) * len(p.hf_keys) for s in weight_specs(cfg, np.float32) for p in s.parts)
 
 
-def decode_floor_bytes(cfg, batch: int, context: int, dtype_bytes: int = 2) -> int:
+def decode_floor_bytes(cfg, batch: int, context: int, dtype_bytes: int = 2, state_bytes: int = 4) -> int:
+    """state_bytes: of one recurrent state element, as the pool stores it (`--mamba-ssm-cache-dtype`)."""
     weights = parameter_count(cfg) * dtype_bytes
     kv = batch * context * cfg.num_full_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_bytes
     gdn = batch * cfg.num_linear_layers * state * 2  # read and write back
     return weights + kv + gdn
 
@@ -137,7 +138,9 @@ def bench_decode(engine, cfg, batch: int, context: int, steps: int, rng) -> dict
     measured = full[2 : 2 + steps]  # skip the first full steps: the previous step may still be a prefill
     steady = [seconds for seconds, *_ in measured]
     tpot = statistics.median(steady)
-    floor = decode_floor_bytes(cfg, batch, context) / HBM_BYTES_PER_S
+    floor = (
+        decode_floor_bytes(cfg, batch, context, state_bytes=engine.runner.cache.ssm.dtype.itemsize) / HBM_BYTES_PER_S
+    )
     return {
         "batch": batch, "context": context, "steps_measured": len(steady), "tpot_ms": tpot * 1e3,
         "tpot_p90_ms": float(np.percentile(steady, 90)) * 1e3, "throughput_tok_s": batch / tpot,
@@ -186,6 +189,7 @@ def build(args, model, batches: list[int], chunks: list[int], max_model_len: int
     config = EngineConfig(
         max_batch=batches[-1], max_prefill_tokens=chunks[-1], max_model_len=max_model_len,
         gpu_memory_fraction=args.gpu_memory_fraction, compile_cache=args.compile_cache,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )  # fmt: skip
     engine = build_engine(model, config, compile_now=False)
     engine.runner.buckets = Buckets(decode=tuple(batches), prefill_rows=(1,), chunk=tuple(chunks))
@@ -245,6 +249,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.85)
     parser.add_argument("--compile-cache", default=None)
+    parser.add_argument("--mamba-ssm-cache-dtype", default="float32", help="the GDN states' storage: float32|bfloat16")
     parser.add_argument("--ready-only", action="store_true", help="build and compile, report times, exit")
     parser.add_argument("--max-batch-search", default=None,
                         help="e.g. 256,384,512,768: after the decode runs, the largest of these batches that fits "
@@ -262,7 +267,8 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     # Decode: the page table spans only context + generated tokens, as a server sized for it would.
     engine, compile_decode = build(args, model, batches, [args.context], args.context + batches[-1] + args.steps + 32)
-    result = {"model": args.model, "kernels": args.kernels, "load_s": load_s,
+    result = {"model": args.model, "kernels": args.kernels, "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
+              "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)
     save_json(args.result_json, result)

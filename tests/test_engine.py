@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -459,6 +460,34 @@ def test_short_prompts_that_arrive_together_prefill_in_one_step(engines, tiny_mo
             assert_same_greedy(collector.result(request_id, len(request[0])), generate(engine, [request])[0])
     finally:
         engines.release(packed)
+
+
+# One bf16 rounding of the recurrent state (half an ulp: 2^-9 of each element) moves the tiny model's next-token
+# logprobs by up to 3e-4 at the first decode step (observed; 8e-3 after 8 steps of accumulated roundings): the
+# bound leaves 30x, and stays below the top-2 gaps the test's tokens need.
+BF16_STATE_LOGPROB_ATOL = 1e-2
+
+
+def test_a_bf16_state_pool_halves_the_slots_and_keeps_the_tokens(engines, tiny_model, engine):
+    """`mamba_ssm_cache_dtype="bfloat16"`: the slot pool is bf16 and half the bytes; a prompt prefilled in one chunk
+    reads no stored state, so its first token and logprobs are bit-identical to `engine`'s; the first decode step
+    reads the rounded state, and its logprobs stay within BF16_STATE_LOGPROB_ATOL."""
+    bf16 = engines.build(tiny_model, compile_now=False, max_batch=4, max_prefill_tokens=64, max_model_len=512,
+                         mamba_ssm_cache_dtype="bfloat16")  # fmt: skip
+    try:
+        assert bf16.runner.cache.ssm.dtype == jnp.bfloat16
+        assert bf16.runner.cache.ssm.nbytes * 2 == engine.runner.cache.ssm.nbytes
+        requests = [(prompt(n, seed=400 + n), greedy(2, logprobs=5)) for n in (9, 50)]
+        for got, want in zip(generate(bf16, requests), generate(engine, requests), strict=True):
+            assert got.token_ids[0] == want.token_ids[0] and got.logprobs[0] == want.logprobs[0]
+            first_step, want_step = dict(got.logprobs[1].top), dict(want.logprobs[1].top)
+            common = first_step.keys() & want_step.keys()
+            assert len(common) >= 4
+            for token in common:
+                assert abs(first_step[token] - want_step[token]) <= BF16_STATE_LOGPROB_ATOL
+            assert any(first_step[token] != want_step[token] for token in common), "the rounding reached nothing"
+    finally:
+        engines.release(bf16)
 
 
 @pytest.mark.parametrize(

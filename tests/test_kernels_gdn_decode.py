@@ -158,11 +158,19 @@ def pool_case(rng, batch, nv, dk, dv):
     return pool, rng.permutation(num_slots - 1)[:batch], num_slots - 1
 
 
-def run_pool_steps(batch, nk, nv, dk, dv, dtype, layers, padding=0, block_dv=None, seed=0):
+# A bf16 pool: kernel and reference compute the step in fp32 from the same stored state and round the new state to
+# bf16 once. Their fp32 values differ by op order only (~1e-6 relative, STATE_TOL), so a rounded element differs
+# at most when its value sits at a rounding boundary, and then by one bf16 ulp: at most 2^-7 of the value.
+BF16_POOL_TOL = dict(atol=1e-6, rtol=2**-7)
+
+
+def run_pool_steps(batch, nk, nv, dk, dv, dtype, layers, padding=0, block_dv=None, seed=0, pool_dtype=jnp.float32):
     """Kernel (interpret mode, jitted so that `layer` is traced) and reference each carry their own pool through
-    one step per entry of `layers`; rows arrive in a new order every step, `padding` rows at the trash slot."""
+    one step per entry of `layers`; rows arrive in a new order every step, `padding` rows at the trash slot. With a
+    bf16 pool the reference steps from the kernel's pool, so that one step's rounding is compared at a time."""
     rng = np.random.default_rng(seed)
     pool, real, trash = pool_case(rng, batch, nv, dk, dv)
+    pool = pool.astype(pool_dtype)
     tuning = dataclasses.replace(GDN_DECODE_TUNING, block_dv=block_dv) if block_dv else GDN_DECODE_TUNING
     kernel_step = jax.jit(lambda *a: gdn_decode_pool_pallas(*a, interpret=True, tuning=tuning))
     kernel_pool = ref_pool = pool
@@ -170,9 +178,10 @@ def run_pool_steps(batch, nk, nv, dk, dv, dtype, layers, padding=0, block_dv=Non
         slots = jnp.asarray(np.concatenate([rng.permutation(real), np.full(padding, trash)]), jnp.int32)
         inputs = step_inputs(jax.random.PRNGKey(seed * 100 + step + 1), batch + padding, nk, nv, dk, dv, dtype)
         out, new_pool = kernel_step(*inputs, kernel_pool, jnp.int32(layer), slots)
-        ref_out, ref_pool = gdn_decode_pool_ref(*inputs, ref_pool, jnp.int32(layer), slots)
+        ref_from = ref_pool if pool_dtype == jnp.float32 else kernel_pool
+        ref_out, ref_pool = gdn_decode_pool_ref(*inputs, ref_from, jnp.int32(layer), slots)
         assert out.dtype == dtype and out.shape == (batch + padding, nv, dv)
-        assert new_pool.dtype == jnp.float32 and new_pool.shape == pool.shape
+        assert new_pool.dtype == pool_dtype and new_pool.shape == pool.shape
         written = np.zeros(pool.shape[:2], bool)
         written[layer, np.asarray(slots[:batch])] = True  # the padding rows skip the trash slot
         new, old = np.asarray(new_pool), np.asarray(kernel_pool)
@@ -183,7 +192,8 @@ def run_pool_steps(batch, nk, nv, dk, dv, dtype, layers, padding=0, block_dv=Non
         np.testing.assert_array_equal(np.float32(ref_out[batch:]), 0.0, err_msg=f"padding rows' ref o, step {step}")
         np.testing.assert_allclose(np.float32(out[:batch]), np.float32(ref_out[:batch]), **OUT_TOL[dtype],
                                    err_msg=f"o, step {step}")  # fmt: skip
-        np.testing.assert_allclose(new, np.asarray(ref_pool), **STATE_TOL, err_msg=f"pool, step {step}")
+        tol = STATE_TOL if pool_dtype == jnp.float32 else BF16_POOL_TOL
+        np.testing.assert_allclose(np.float32(new), np.float32(ref_pool), **tol, err_msg=f"pool, step {step}")
         kernel_pool = new_pool
 
 
@@ -196,6 +206,49 @@ def run_pool_steps(batch, nk, nv, dk, dv, dtype, layers, padding=0, block_dv=Non
 def test_pool_matches_ref_over_steps(batch, nk, nv, dk, dv, block_dv, padding, dtype):
     """Four steps at layers 1, 2, 2, 0: non-zero layers, the same rows carried twice in a row, and layer 0."""
     run_pool_steps(batch, nk, nv, dk, dv, dtype, layers=[1, 2, 2, 0], padding=padding, block_dv=block_dv, seed=batch)
+
+
+@pytest.mark.parametrize("batch, nk, nv, dk, dv, padding", [(3, 2, 4, 16, 64, 0), (3, 2, 2, 128, 128, 1)],
+                         ids=["ratio2-dv-split", "head-dims-128-padding"])  # fmt: skip
+def test_bf16_pool_matches_ref_step_by_step(batch, nk, nv, dk, dv, padding):
+    """`--mamba-ssm-cache-dtype bfloat16`: the pool stays bf16, rows the step does not write stay bit-identical, and
+    each step's new state is the reference's within one bf16 rounding."""
+    run_pool_steps(batch, nk, nv, dk, dv, jnp.bfloat16, layers=[1, 2, 0], padding=padding, seed=batch,
+                   pool_dtype=jnp.bfloat16)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_pool_at_4b_shapes_matches_ref():
+    """The compiled kernel on a bf16 pool at Qwen3.5-4B shapes, batch 64 with 2 padding rows, three steps."""
+    rng = np.random.default_rng(21)
+    batch, nk, nv, dk, dv, padding = 62, 16, 32, 128, 128, 2
+    pool, real, trash = pool_case(rng, batch, nv, dk, dv)
+    pool = pool.astype(jnp.bfloat16)
+    kernel = jax.jit(gdn_decode_pool_pallas)
+    for step, layer in enumerate([1, 2, 0]):
+        slots = jnp.asarray(np.concatenate([rng.permutation(real), np.full(padding, trash)]), jnp.int32)
+        inputs = step_inputs(jax.random.PRNGKey(step + 30), batch + padding, nk, nv, dk, dv, jnp.bfloat16)
+        out, new_pool = kernel(*inputs, pool, jnp.int32(layer), slots)
+        ref_out, ref_pool = gdn_decode_pool_ref(*inputs, pool, jnp.int32(layer), slots)
+        assert new_pool.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.float32(out), np.float32(ref_out), **OUT_TOL[jnp.bfloat16])
+        np.testing.assert_allclose(np.float32(new_pool), np.float32(ref_pool), **BF16_POOL_TOL)
+        pool = new_pool
+
+
+def test_a_bf16_pool_keeps_the_math_in_fp32():
+    """The bf16 pool's step is the fp32 step on the stored state, rounded once: bit for bit the fp32 pool's step on
+    the same (bf16-valued) state, its new state rounded to bf16 (a step computed in bf16 would differ)."""
+    rng = np.random.default_rng(5)
+    pool, real, _ = pool_case(rng, 3, 4, 128, 128)
+    pool = pool.astype(jnp.bfloat16)
+    slots = jnp.asarray(real, jnp.int32)
+    inputs = step_inputs(jax.random.PRNGKey(6), 3, 2, 4, 128, 128, jnp.bfloat16)
+    kernel = jax.jit(lambda *a: gdn_decode_pool_pallas(*a, interpret=True))
+    out16, pool16 = kernel(*inputs, pool, 1, slots)
+    out32, pool32 = kernel(*inputs, pool.astype(jnp.float32), 1, slots)
+    np.testing.assert_array_equal(np.float32(out16), np.float32(out32))
+    np.testing.assert_array_equal(np.float32(pool16), np.float32(pool32.astype(jnp.bfloat16)))
 
 
 @pytest.mark.parametrize(
@@ -279,16 +332,21 @@ def triton_modules(lowered) -> list[str]:
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("num_slots, offset_bits", [(257, 64), (5, 32)], ids=["pool-12.9GB", "pool-250MB"])
-def test_pool_lowers_to_triton_for_h200(num_slots, offset_bits):
+@pytest.mark.parametrize(
+    "num_slots, pool_dtype, offset_bits",
+    [(257, jnp.float32, 64), (5, jnp.float32, 32), (257, jnp.bfloat16, 64)],
+    ids=["pool-12.9GB", "pool-250MB", "bf16-pool-6.5GB"],
+)
+def test_pool_lowers_to_triton_for_h200(num_slots, pool_dtype, offset_bits):
     """4B shapes at batch 64 and a pool [24, num_slots, 32, 128, 128] fp32 given abstractly (nothing is allocated).
     The 4B pool at 256 slots + trash (3.4e9 elements, 12.9 GB) must be addressed with 64-bit offsets: both pool
     accesses (the tile's load from the input and its store to the aliased output) add an i64 offset tensor to
     the pool pointer, and layer and slot are multiplied by their strides (num_slots * 32 * 128 * 128 and
     32 * 128 * 128 elements) in i64. The 250 MB pool is the control that shows the check tells them apart: there
-    the lowering keeps int32 offsets. Checks the pool alias (operand 7 -> result 1) and the grid too."""
+    the lowering keeps int32 offsets. A bf16 pool of 257 slots (6.5 GB) is still past 2^32 bytes. Checks the pool
+    alias (operand 7 -> result 1) and the grid too."""
     batch, nv, dk, dv = 64, 32, 128, 128
-    args = [*h200_inputs(batch=batch)[:5], jax.ShapeDtypeStruct((24, num_slots, nv, dk, dv), jnp.float32),
+    args = [*h200_inputs(batch=batch)[:5], jax.ShapeDtypeStruct((24, num_slots, nv, dk, dv), pool_dtype),
             jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32)]  # fmt: skip
     lowered = lower_for_h200(gdn_decode_pool_pallas, *args)
     text = lowered.as_text()
@@ -296,7 +354,8 @@ def test_pool_lowers_to_triton_for_h200(num_slots, offset_bits):
     assert re.findall(r"grid_[xyz] = (\d+)", text) == [str(batch), str(nv), str(dv // BLOCK_DV)]
     [triton] = triton_modules(lowered)
     tile = f"{dk}x{BLOCK_DV}"
-    pool_offsets = re.findall(rf"tt\.addptr .* : tensor<{tile}x!tt\.ptr<f32>>, tensor<{tile}xi(\d+)>", triton)
+    element = "f32" if pool_dtype == jnp.float32 else "bf16"
+    pool_offsets = re.findall(rf"tt\.addptr .* : tensor<{tile}x!tt\.ptr<{element}>>, tensor<{tile}xi(\d+)>", triton)
     assert pool_offsets == [str(offset_bits)] * 2, pool_offsets
     for stride in (num_slots * nv * dk * dv, nv * dk * dv):  # layer, slot
         assert f"arith.constant {stride} : i{offset_bits}" in triton, stride

@@ -644,6 +644,7 @@ def no_weight_loads(monkeypatch):
         (["--scheduler-policy", "fast"], "--scheduler-policy"),
         (["--kernels", "pallas"], "--kernels"),
         (["--num-pages", "1"], "--num-pages"),
+        (["--mamba-ssm-cache-dtype", "float16"], "--mamba-ssm-cache-dtype"),
         (["--max-model-len", "100000"], "--max-model-len"),
         (["--port", "70000"], "--port"),
         (["--max-queue", "-1"], "--max-queue"),

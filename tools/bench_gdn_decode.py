@@ -60,7 +60,9 @@ def traffic(q, v, state) -> tuple[int, int]:
     """(bytes moved, FLOPs) of one decode step: state read + written, q/k/v read once, o written, g and beta."""
     batch, nv, dk, dv = state.shape
     item = v.dtype.itemsize
-    bytes_moved = 2 * state.size * 4 + 2 * q.size * item + 2 * v.size * item + batch * nv * (4 + item)
+    bytes_moved = (
+        2 * state.size * state.dtype.itemsize + 2 * q.size * item + 2 * v.size * item + batch * nv * (4 + item)
+    )
     flops = 7 * batch * nv * dk * dv  # decay, S^T k, rank-1 update (mul + add), S^T q
     return bytes_moved, flops
 
@@ -143,6 +145,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every (block_dv, num_warps) in SWEEP")
     parser.add_argument("--pool", action="store_true", help="gather+kernel+scatter vs the in-pool kernel (above)")
     parser.add_argument("--layers", type=int, default=24, help="--pool: layers of the pool (24 at 4B)")
+    parser.add_argument("--pool-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="--pool: the states' storage (`--mamba-ssm-cache-dtype`); the math is fp32 either way")  # fmt: skip
     args = parser.parse_args()
 
     import jax
@@ -157,7 +161,7 @@ def main() -> None:
     configs = [gdn_decode.GdnDecodeTuning(*c) for c in SWEEP] if args.sweep else [default]
     for batch in args.batch:
         if args.pool:
-            bench_pool(batch, args.layers, configs, args.sweep, args.iters, args.repeats)
+            bench_pool(batch, args.layers, configs, args.sweep, args.iters, args.repeats, args.pool_dtype)
             continue
         inputs = make_inputs(batch)
         bytes_moved, flops = traffic(inputs[0], inputs[2], inputs[5])
@@ -191,7 +195,8 @@ def rows_step(q, k, v, g, beta, state, *, tuning=None):
     return out, pool[0]
 
 
-def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeats: int) -> None:
+def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeats: int,
+               pool_dtype: str = "float32") -> None:  # fmt: skip
     """--pool for one batch: both ways through a [layers, batch + 1, nv, dk, dv] pool, for each config."""
     import jax
     import jax.numpy as jnp
@@ -199,10 +204,12 @@ def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeat
     from qwen35_jax.kernels.gdn_decode import gdn_decode_pool_pallas, gdn_decode_pool_ref
 
     inputs = make_inputs(batch)
-    bytes_moved, flops = traffic(inputs[0], inputs[2], inputs[5])  # the rows' states read + written once
+    stored = inputs[5].astype(pool_dtype)
+    bytes_moved, flops = traffic(inputs[0], inputs[2], stored)  # the rows' states read + written once
     nv, dk, dv = inputs[5].shape[1:]
     kp, ks = jax.random.split(jax.random.PRNGKey(1))
-    pool = jax.jit(lambda key: 0.5 * jax.random.normal(key, (layers, batch + 1, nv, dk, dv), jnp.float32))(kp)
+    shape = (layers, batch + 1, nv, dk, dv)
+    pool = jax.jit(lambda key: (0.5 * jax.random.normal(key, shape, jnp.float32)).astype(pool_dtype))(kp)
     slots = jax.random.permutation(ks, batch).astype(jnp.int32)  # slot `batch`, the trash slot, stays unused
     print(f"batch {batch}, pool of {layers} layers x {batch + 1} slots ({pool.nbytes / 1e9:.1f} GB):")
     gather = gdn_decode_pool_ref
@@ -217,7 +224,7 @@ def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeat
             (not donated: XLA copies the pool for each result, 3 pools at most in memory)."""
             o_a, pool_a = gather(*inputs[:5], pool, 1, slots)
             o_b, pool_b = in_pool(*inputs[:5], pool, 1, slots)
-            rows = jnp.max(jnp.abs(pool_a[1, slots] - pool_b[1, slots]))
+            rows = jnp.max(jnp.abs(pool_a[1, slots].astype(jnp.float32) - pool_b[1, slots].astype(jnp.float32)))
             return rows, jnp.max(jnp.abs(o_a.astype(jnp.float32) - o_b.astype(jnp.float32)))
 
         rows_error, out_error = (float(x) for x in one_step_apart(pool))
@@ -226,9 +233,9 @@ def bench_pool(batch: int, layers: int, configs, sweep: bool, iters: int, repeat
         label = f"in-pool pallas dv/{block_dv} w{warps}" if sweep else "in-pool pallas"
         report("in-pool pallas", pool_seconds, bytes_moved, flops, gather_seconds, None, batch,
                baseline="XLA gather+ref+scatter", label=label, mode="pool", layers=layers, block_dv=block_dv,
-               num_warps=warps)  # fmt: skip
+               num_warps=warps, pool_dtype=pool_dtype)  # fmt: skip
     report("XLA gather+ref+scatter", gather_seconds, bytes_moved, flops, gather_seconds, None, batch,
-           baseline="XLA gather+ref+scatter", mode="pool", layers=layers)  # fmt: skip
+           baseline="XLA gather+ref+scatter", mode="pool", layers=layers, pool_dtype=pool_dtype)  # fmt: skip
 
 
 if __name__ == "__main__":

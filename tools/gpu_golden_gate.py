@@ -114,7 +114,7 @@ def pooled(parts: list[dict]) -> dict:
     }  # fmt: skip
 
 
-def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",)) -> dict[str, dict]:
+def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",), ssm_dtype: str = "float32") -> dict[str, dict]:
     """One HF run (bf16 and fp32) and one load of the checkpoint by the project, then the project's logits once per
     kernel set against the same HF numbers."""
     from qwen35_jax.api import load_model
@@ -135,6 +135,7 @@ def run_gates(workdir: Path, seed: int = 0, kernel_sets=("ref",)) -> dict[str, d
     start = time.perf_counter()
     # The weights in the layout and form `serve` runs; each comparison sets its kernels.
     model = load_model(folder, dtype="bfloat16", kernels="ref")
+    model.ssm_dtype = ssm_dtype
     timings["project_load_safetensors_s"] = time.perf_counter() - start
     return {k: compare_with_project(model, runs, hf, k, dict(timings)) for k in kernel_sets}
 
@@ -171,7 +172,8 @@ def compare_with_project(model, runs, hf: dict, kernels: str, timings: dict) -> 
             "hf_bf16_vs_hf_fp32": stats(ref_b, ref_f),
         })  # fmt: skip
     summary = {k: pooled([r[k] for r in per_run]) for k in per_run[0] if k != "run"}
-    return {"kernels": kernels, "per_run": per_run, "summary": summary, "gate": gate(summary), "timings": timings}
+    return {"kernels": kernels, "mamba_ssm_cache_dtype": model.ssm_dtype, "per_run": per_run, "summary": summary,
+            "gate": gate(summary), "timings": timings}  # fmt: skip
 
 
 def gate(summary: dict) -> list[dict]:
@@ -206,9 +208,11 @@ def main() -> None:
                         help="a kernel set, or several comma-separated (ref,pallas); a set may swap single mixers: "
                              "pallas+gdn_prefill=ref (see kernel_set)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mamba-ssm-cache-dtype", default="float32",
+                        help="the GDN states' storage between steps: float32 | bfloat16")  # fmt: skip
     args = parser.parse_args()
     kernel_sets = tuple(args.kernels.split(","))
-    reports = run_gates(args.workdir, args.seed, kernel_sets)
+    reports = run_gates(args.workdir, args.seed, kernel_sets, args.mamba_ssm_cache_dtype)
     report = reports[kernel_sets[0]] if len(kernel_sets) == 1 else reports
     text = json.dumps(report, indent=2)
     print(text)
