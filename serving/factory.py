@@ -157,21 +157,23 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         spec.num_slots, spec.num_slots * bytes_per_slot(model.config, model.dtype, spec.ssm_dtype) / 2**30,
         spec.ssm_dtype,
     )  # fmt: skip
-    buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks,
-                                 config.prompt_logprobs_chunk, batch_invariant=config.deterministic,
-                                 pack_beside_decode=config.decode_overlap == "off")  # fmt: skip
-    on_gpu = jax.default_backend() == "gpu"
-    use_store = on_gpu if config.program_store is None else config.program_store
-    store = str(Path(config.compile_cache) / "programs") if config.compile_cache and use_store else None
-    runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
-                    config.num_top_logprobs, decode_overlap=config.decode_overlap, program_store=store)  # fmt: skip
-    scheduler = Scheduler(SchedulerConfig(
+    scheduler_config = SchedulerConfig(
         max_batch=config.max_batch, max_prefill_tokens=config.max_prefill_tokens, page_size=config.page_size,
         num_pages=spec.num_pages, num_slots=spec.num_slots, max_model_len=config.max_model_len,
         policy=config.scheduler_policy, decode_overlap=config.decode_overlap,
         max_prefill_chunks=config.max_prefill_chunks, prompt_logprobs_chunk=config.prompt_logprobs_chunk,
         batch_invariant=config.deterministic,
-    ))  # fmt: skip
+    )  # fmt: skip
+    # The packed unified programs exist exactly when the scheduler packs several chunks beside decode rows.
+    buckets = Buckets.for_limits(config.max_batch, config.max_prefill_tokens, config.max_prefill_chunks,
+                                 config.prompt_logprobs_chunk, batch_invariant=config.deterministic,
+                                 pack_beside_decode=scheduler_config.chunks_beside_decode > 1)  # fmt: skip
+    on_gpu = jax.default_backend() == "gpu"
+    use_store = on_gpu if config.program_store is None else config.program_store
+    store = str(Path(config.compile_cache) / "programs") if config.compile_cache and use_store else None
+    runner = Runner(model.model_def, model.params, model.kernels, spec, buckets, config.max_model_len,
+                    config.num_top_logprobs, decode_overlap=config.decode_overlap, program_store=store)  # fmt: skip
+    scheduler = Scheduler(scheduler_config)
     if compile_now:
         start = time.perf_counter()
         if config.decode_overlap == "stream":
