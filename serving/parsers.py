@@ -179,3 +179,78 @@ class OutputParser:
             keep += len(before) - len(before.rstrip())
         out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         return Delta(**{field: out}) if out else None
+
+
+# The answer after a forced tool call's prompt prefix, as a grammar (llguidance's Lark dialect), so that a forced
+# call is always a call of one of the request's tools with its declared parameters, as vLLM guarantees for
+# tool_choice "required" and a named function through its structured outputs.
+_JSON_VALUE_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_CALL_END = f"</function>\n{TOOL_END}"
+_ANNOTATIONS = {"description", "title", "examples", "default", "deprecated"}
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _value_grammar(schema: dict, definitions: dict) -> str:
+    """One parameter's value, as `parameter_value` reads it back: a string-typed value, or one whose schema says
+    nothing of it, is raw text up to `</parameter>` (a lazy lexeme: the first `\\n</parameter>` ends it) or one of
+    its enum's strings; any other is compact JSON valid against the parameter's schema, whose `$defs` travel with
+    it."""
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    if kind is None and set(schema) - _ANNOTATIONS:  # no type, but a shape: $ref, anyOf, properties, ...
+        kind = "json"
+    if kind in (None, "string"):
+        choices = schema.get("enum")
+        if kind == "string" and choices and all(isinstance(c, str) and "\n</parameter>" not in c for c in choices):
+            return "(" + " | ".join(_lark_literal(c) for c in choices) + ") " + _lark_literal("\n</parameter>")
+        return "param_text"
+    embedded = {**definitions, **schema, "x-guidance": _JSON_VALUE_OPTIONS}
+    return f"%json {json.dumps(embedded, ensure_ascii=False)} " + _lark_literal("\n</parameter>")
+
+
+def _arguments_grammar(index: int, parameters: dict | None) -> list[str]:
+    """Rules `args{index}` (and its parameters') of one function: its declared parameters in their schema's order,
+    the required ones always, the others optional; a function that declares no properties takes any parameter
+    names with text values, unless its additionalProperties is false (then none)."""
+    parameters = parameters or {}
+    properties = parameters.get("properties") or {}
+    required = set(parameters.get("required") or ())
+    definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+    rules, parts = [], []
+    for position, (key, schema) in enumerate(properties.items()):
+        name = f"param{index}_{position}"
+        value = _value_grammar(schema if isinstance(schema, dict) else {}, definitions)
+        rules.append(f"{name}: {_lark_literal(f'<parameter={key}>\n')} {value} {_lark_literal('\n')}")
+        parts.append(name if key in required else f"{name}?")
+    if not properties:
+        parts = [] if parameters.get("additionalProperties") is False else ["free_param*"]
+    rules.append(f"args{index}: {' '.join(parts) or _lark_literal('')}")
+    return rules
+
+
+def tool_call_grammar(tools: dict[str, dict], named: str | None = None) -> str:
+    """The Lark grammar of a chat answer whose prompt ends in the forced head of a tool call (`<tool_call>` then
+    `<function=`, or `<function=NAME>` and a newline for a named function). tools: name -> the request's function
+    definition. With a named function the answer finishes that one call; otherwise it names one of the tools and
+    may add further whole calls after it (vLLM's "required": one call or more)."""
+    rules = []
+    for index, (name, function) in enumerate(tools.items()):
+        if named is None or name == named:
+            rules += _arguments_grammar(index, function.get("parameters"))
+    rules += [
+        f"free_param: {_lark_literal('<parameter=')} PARAM_NAME {_lark_literal('>\n')} param_text {_lark_literal('\n')}",
+        "PARAM_NAME: /[^<>\\n]+/",
+        # lazy: the value ends at the first "\n</parameter>", which the lexeme takes with it
+        "param_text[lazy]: /(?s:.*)\\n<\\/parameter>/",
+    ]
+    if named is not None:
+        index = list(tools).index(named)
+        return "\n".join([f"start: args{index} {_lark_literal(_CALL_END)}", *rules])
+    calls = " | ".join(f"{_lark_literal(f'{name}>\n')} args{index} {_lark_literal(_CALL_END)}"
+                       for index, name in enumerate(tools))  # fmt: skip
+    head = _lark_literal(f"\n{TOOL_START}\n<function=")
+    return "\n".join([f"start: call ({head} call)*", f"call: {calls}", *rules])

@@ -17,7 +17,7 @@ from qwen35_jax.sampling import MAX_LOGIT_BIAS, SamplingParams
 from qwen35_jax.serving import protocol as api
 from qwen35_jax.serving.engine import GenerationParams
 from qwen35_jax.serving.errors import APIError
-from qwen35_jax.serving.parsers import THINK_END, THINK_START, TOOL_START, OutputParser
+from qwen35_jax.serving.parsers import THINK_END, THINK_START, TOOL_START, OutputParser, tool_call_grammar
 from qwen35_jax.serving.scheduler import RequestRejected
 from qwen35_jax.serving.server_config import ServerConfig
 from qwen35_jax.serving.structured_output import Grammar, GrammarCompiler, GrammarError
@@ -143,8 +143,10 @@ class RequestPreparer:
     async def chat(self, request: api.ChatCompletionRequest) -> list[Prepared]:
         self.check_request(request)
         grammar = await self.grammar(request)
+        structured = grammar is not None
+        grammar = grammar or await self.forced_call_grammar(request)
         token_filter = await self.token_filter(request)
-        ids, output_format = await self.chat_prompt(request, structured=grammar is not None)
+        ids, output_format = await self.chat_prompt(request, structured=structured)
         max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         prompt_logprobs = self._checked_prompt_logprobs({"prompt_logprobs": request.prompt_logprobs})
@@ -362,6 +364,22 @@ class RequestPreparer:
         except GrammarError as err:
             raise APIError(400, f"{constraint.param}: the constraint cannot be used: {err}", constraint.param) from None
         grammar.param = constraint.param
+        return grammar
+
+    async def forced_call_grammar(self, request: api.ChatCompletionRequest) -> Grammar | None:
+        """For tool_choice "required" or a named function: the grammar of the answer after the forced head of the
+        call (`parsers.tool_call_grammar`), so that it names one of the tools (or the named one) and gives the
+        parameters their schemas declare, as vLLM's structured outputs guarantee; None for other requests."""
+        if request.tool_choice in (None, "none", "auto") or not request.tools or self.grammars is None:
+            return None
+        tools = {tool.function.name: tool.function.model_dump() for tool in request.tools}
+        named = request.tool_choice.function.name if isinstance(request.tool_choice, api.NamedToolChoice) else None
+        try:
+            grammar = await asyncio.to_thread(self.grammars.lark, tool_call_grammar(tools, named))
+        except GrammarError as err:
+            raise APIError(400, f"tools: a parameter schema cannot be used to constrain the forced tool call: {err}",
+                           "tools") from None  # fmt: skip
+        grammar.param = "tool_choice"
         return grammar
 
     async def token_filter(self, request: api.SamplingFields) -> TokenFilter | None:

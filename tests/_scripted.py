@@ -23,6 +23,7 @@ class ScriptedEngine:
     def __init__(self):
         self.answer = ""
         self.prompts: list[list[int]] = []
+        self.params: list = []  # each request's GenerationParams
         self.scheduler = types.SimpleNamespace(config=types.SimpleNamespace(max_batch=8))
         self.eos_token_ids = frozenset({2})  # the tiny tokenizer's <|im_end|>
 
@@ -37,6 +38,7 @@ class ScriptedEngine:
 
     def submit(self, prompt_ids, params, on_output, request_id, fork_of=None) -> None:
         self.prompts.append(list(prompt_ids))
+        self.params.append(params)
         pieces = [self.answer[i : i + 4] for i in range(0, len(self.answer), 4)]
 
         def emit():

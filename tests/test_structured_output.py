@@ -26,6 +26,7 @@ from qwen35_jax.sampling import SamplingParams
 from qwen35_jax.serving import device_sampling
 from qwen35_jax.serving.device_sampling import SamplingRows, pack_mask, unpack_mask
 from qwen35_jax.serving.engine import GenerationParams, SamplingRow
+from qwen35_jax.serving.parsers import OutputParser, tool_call_grammar
 from qwen35_jax.serving.structured_output import GrammarCompiler, GrammarError, GrammarState
 from qwen35_jax.tokenizer import Tokenizer
 
@@ -451,3 +452,97 @@ def test_bad_constraints_get_a_400_naming_them(idle_server, fields, param, words
         chat(idle_server, extra_body=fields)
     error = caught.value.body
     assert error["param"] == param and words in error["message"], error
+
+
+# ---- forced tool calls ----------------------------------------------------------------------------------
+
+# Parameters whose values a random model closes in a few tokens (an enum and a bounded integer), so that calls
+# end before max_tokens; the weather tool's free-text city is walked in the grammar tests only.
+FORECAST = {"type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["unit", "days"]}  # fmt: skip
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                            "where": {"$ref": "#/$defs/Point"}},
+           "required": ["city"], "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "number"}},
+                                                     "required": ["x"]}}}  # fmt: skip
+FUNCTIONS = {"get_weather": {"name": "get_weather", "parameters": WEATHER},
+             "forecast": {"name": "forecast", "parameters": FORECAST},
+             "ping": {"name": "ping"}}  # fmt: skip
+CALL_TAIL = "</function>\n</tool_call>"
+WEATHER_CALL = ('get_weather>\n<parameter=city>\nLe Mans\nwest\n</parameter>\n<parameter=days>\n3\n</parameter>\n'
+                '<parameter=where>\n{"x": 1.5}\n</parameter>\n' + CALL_TAIL)  # fmt: skip
+
+
+def walk(grammar, text: str) -> str:
+    """'finished', 'open' (the text is a prefix of a sentence) or 'refused' (at some token of it)."""
+    state = grammar.start()
+    for token in Tokenizer.tiny().encode(text):
+        if token not in allowed_tokens(state.mask) or not state.accept(token):
+            return "refused"
+    return "finished" if state.finished else "open"
+
+
+@pytest.mark.parametrize("named, text, verdict", [
+    (None, WEATHER_CALL, "open"),  # "required" may add further calls, or end
+    (None, f"{WEATHER_CALL}\n<tool_call>\n<function=ping>\n<parameter=any key>\nv\n</parameter>\n{CALL_TAIL}", "open"),
+    (None, "get_weathr>", "refused"),  # not a tool's name
+    (None, f"get_weather>\n{CALL_TAIL}", "refused"),  # city is required
+    (None, "get_weather>\n<parameter=city>\nx\n</parameter>\n<parameter=days>\nthree", "refused"),  # an integer
+    (None, "forecast>\n<parameter=unit>\nk", "refused"),  # not in the enum
+    (None, "forecast>\n<parameter=days>", "refused"),  # the schema's order: unit first
+    ("get_weather", WEATHER_CALL.removeprefix("get_weather>\n"), "finished"),  # a named call is one call
+    ("get_weather", "<parameter=city>\nx\n</parameter>\n<parameter=where>\n{}", "refused"),  # $defs' x is required
+    ("forecast", "<parameter=unit>\nc\n</parameter>\n<parameter=days>\n8", "refused"),  # maximum 7
+], ids=["required", "two-calls", "unknown-name", "missing-required", "not-an-integer", "not-in-enum", "order",
+        "named", "ref", "maximum"])  # fmt: skip
+def test_the_forced_call_grammar_takes_the_tools_calls_only(compiler, named, text, verdict):
+    assert walk(compiler.lark(tool_call_grammar(FUNCTIONS, named)), text) == verdict
+
+
+def test_a_call_the_grammar_takes_parses_back_to_its_arguments():
+    parser = OutputParser(False, FUNCTIONS, prefix="<tool_call>\n<function=")
+    delta = parser.push(WEATHER_CALL)
+    delta += parser.finish()
+    (call,) = delta.tool_calls
+    assert call.name == "get_weather" and not delta.content
+    assert json.loads(call.arguments) == {"city": "Le Mans\nwest", "days": 3, "where": {"x": 1.5}}
+
+
+def test_forced_tool_calls_name_a_tool_and_fit_its_schema(engine, tiny_model):
+    """The engine under `tool_call_grammar` after the forced head of a call, as the server sends a "required"
+    chat request: every call the answer completes names a listed tool and fits its schema, at any temperature.
+    The tiny model's random weights name no tool without the grammar. A call that max_tokens cuts is left out.
+    Short names: the tiny tokenizer spends about a token a character, and its programs hold 128 tokens."""
+    forecast = {"type": "object", "properties": {"u": FORECAST["properties"]["unit"], "d": FORECAST["properties"]["days"]},
+                "required": ["u", "d"]}  # fmt: skip
+    tools = {
+        "fc": {"name": "fc", "parameters": forecast},
+        "p": {"name": "p", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+    }
+    schemas = {"fc": forecast, "p": {"type": "object", "maxProperties": 0}}
+    head = "<tool_call>\n<function="
+    prompt = tiny_model.tokenizer.encode_chat([{"role": "user", "content": "Forecast?"}]) + tiny_model.tokenizer.encode(
+        head
+    )
+    grammar = GrammarCompiler(tiny_model.tokenizer, tiny_model.config.vocab_size, engine.eos_token_ids)
+    forced = grammar.lark(tool_call_grammar(tools, None))
+    max_tokens = ENGINE["max_model_len"] - len(prompt)
+    requests = {f"t{temperature}-{seed}": (prompt, GenerationParams(max_tokens, SamplingParams(temperature, seed=seed),
+                                                                    grammar=forced))
+                for temperature in (0.0, 1.0) for seed in range(4)}  # fmt: skip
+    requests["plain"] = (prompt, GenerationParams(max_tokens))
+    outputs = run(engine, requests)
+    named = set()
+    for request_id in requests:
+        parser = OutputParser(False, tools, prefix=head)
+        delta = parser.push(outputs.text(request_id))
+        delta += parser.finish()
+        if request_id == "plain":
+            assert not any(call.name in tools for call in delta.tool_calls)
+            continue
+        complete = delta.tool_calls[:-1] if outputs.finish(request_id) == "length" else delta.tool_calls
+        assert delta.tool_calls and (complete or outputs.finish(request_id) == "length")
+        for call in complete:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+            named.add(call.name)
+    assert named == set(tools)  # both schemas were walked to the end

@@ -67,6 +67,19 @@ def test_a_forced_tool_choice_opens_the_call_in_the_prompt(scripted, tool_choice
     (call,) = reply.choices[0].message.tool_calls
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
     assert reply.choices[0].message.content is None
+    # The rest of the call is under a grammar of the tools' calls (test_structured_output walks it closely).
+    grammar = engine.params[-1].grammar
+    assert grammar.param == "tool_choice"
+    state = grammar.start()
+    assert all(state.accept(token) for token in tokenizer.encode(engine.answer))
+    assert not grammar.start().accept(tokenizer.encode("nope")[0])
+
+
+def test_tool_choice_auto_leaves_the_answer_free(scripted):
+    engine, client, _ = scripted
+    engine.answer = CALL
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL])
+    assert engine.params[-1].grammar is None
 
 
 def test_enable_thinking_false_reaches_the_template(scripted):

@@ -38,7 +38,7 @@ from qwen35_jax.roofline import HBM_BYTES_PER_S
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch when fla runs too
 
-SWEEP = [(block_dv, warps) for block_dv in (8, 16, 32, 64) for warps in (1, 2, 4, 8)]
+SWEEP = [(block_dv, warps) for block_dv in (16, 32, 64, 128) for warps in (1, 2, 4, 8)]
 
 
 def make_inputs(batch, nk=16, nv=32, dk=128, dv=128):
