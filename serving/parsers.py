@@ -15,6 +15,8 @@ import json
 import re
 import uuid
 
+from qwen35_jax.serving.structured_output import JSON_OPTIONS
+
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 REASONING_PARSERS = ("qwen3", "none")
@@ -59,12 +61,16 @@ def _held_tag_prefix(text: str, tags: tuple[str, ...]) -> int:
     return longest
 
 
+def _declared_type(schema: dict) -> str | None:
+    """The JSON type a parameter's schema declares; of a list of types, the first that is not null."""
+    kind = schema.get("type")
+    return next((k for k in kind if k != "null"), None) if isinstance(kind, list) else kind
+
+
 def parameter_value(raw: str, schema: dict | None):
     """A parameter's text as the JSON value its schema types it: strings stay text; numbers, booleans, objects and
     arrays are read as JSON where they parse. Without a schema, JSON where it parses, else the text."""
-    kind = (schema or {}).get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
+    kind = _declared_type(schema or {})
     if kind == "string":
         return raw
     try:
@@ -184,7 +190,6 @@ class OutputParser:
 # The answer after a forced tool call's prompt prefix, as a grammar (llguidance's Lark dialect), so that a forced
 # call is always a call of one of the request's tools with its declared parameters, as vLLM guarantees for
 # tool_choice "required" and a named function through its structured outputs.
-_JSON_VALUE_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CALL_END = f"</function>\n{TOOL_END}"
 _ANNOTATIONS = {"description", "title", "examples", "default", "deprecated"}
 
@@ -198,9 +203,7 @@ def _value_grammar(schema: dict, definitions: dict) -> str:
     nothing of it, is raw text up to `</parameter>` (a lazy lexeme: the first `\\n</parameter>` ends it) or one of
     its enum's strings; any other is compact JSON valid against the parameter's schema, whose `$defs` travel with
     it."""
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
+    kind = _declared_type(schema)
     if kind is None and set(schema) - _ANNOTATIONS:  # no type, but a shape: $ref, anyOf, properties, ...
         kind = "json"
     if kind in (None, "string"):
@@ -208,7 +211,7 @@ def _value_grammar(schema: dict, definitions: dict) -> str:
         if kind == "string" and choices and all(isinstance(c, str) and "\n</parameter>" not in c for c in choices):
             return "(" + " | ".join(_lark_literal(c) for c in choices) + ") " + _lark_literal("\n</parameter>")
         return "param_text"
-    embedded = {**definitions, **schema, "x-guidance": _JSON_VALUE_OPTIONS}
+    embedded = {**definitions, **schema, "x-guidance": JSON_OPTIONS}
     return f"%json {json.dumps(embedded, ensure_ascii=False)} " + _lark_literal("\n</parameter>")
 
 

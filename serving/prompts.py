@@ -370,7 +370,7 @@ class RequestPreparer:
         """For tool_choice "required" or a named function: the grammar of the answer after the forced head of the
         call (`parsers.tool_call_grammar`), so that it names one of the tools (or the named one) and gives the
         parameters their schemas declare, as vLLM's structured outputs guarantee; None for other requests."""
-        if request.tool_choice in (None, "none", "auto") or not request.tools or self.grammars is None:
+        if not request.forces_tool_call or not request.tools or self.grammars is None:
             return None
         tools = {tool.function.name: tool.function.model_dump() for tool in request.tools}
         named = request.tool_choice.function.name if isinstance(request.tool_choice, api.NamedToolChoice) else None

@@ -305,6 +305,11 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer
     documents: Annotated[list[dict[str, str]], Field(max_length=256)] | None = None  # vLLM's: for the template
 
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the answer must be a tool call."""
+        return self.tool_choice not in (None, "none", "auto")
+
 
 def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> list[tuple[str, str]]:
     """(param, message) for every parameter set to a value this server does not implement."""
@@ -317,14 +322,14 @@ def unsupported_params(request: CompletionRequest | ChatCompletionRequest) -> li
         if request.suffix:
             problems.append(("suffix", "suffix is not supported"))
         return problems
-    if request.tool_choice not in (None, "none", "auto") and not request.tools:
+    if request.forces_tool_call and not request.tools:
         problems.append(("tool_choice", "tool_choice 'required' or a named function needs tools"))
     if isinstance(request.tool_choice, NamedToolChoice) and request.tools:
         names = {tool.function.name for tool in request.tools}
         if request.tool_choice.function.name not in names:
             problems.append(("tool_choice", f"tool_choice names {request.tool_choice.function.name!r}, which is not "
                                             f"in tools ({', '.join(sorted(names))})"))  # fmt: skip
-    forced_call = request.tool_choice not in (None, "none", "auto")
+    forced_call = request.forces_tool_call
     constraint = request.constraint()
     if forced_call and constraint is not None:
         problems.append((constraint.param, f"{constraint.param} cannot constrain an answer that tool_choice forces to "
