@@ -15,7 +15,7 @@ import json
 import re
 import uuid
 
-from qwen35_jax.serving.structured_output import JSON_OPTIONS
+from qwen35_jax.serving.structured_output import JSON_OPTIONS, GrammarError
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
@@ -218,10 +218,16 @@ def _value_grammar(schema: dict, definitions: dict) -> str:
 def _arguments_grammar(index: int, parameters: dict | None) -> list[str]:
     """Rules `args{index}` (and its parameters') of one function: its declared parameters in their schema's order,
     the required ones always, the others optional; a function that declares no properties takes any parameter
-    names with text values, unless its additionalProperties is false (then none)."""
+    names with text values, unless its additionalProperties is false (then none). Raises GrammarError for a
+    parameters object the grammar cannot follow."""
     parameters = parameters or {}
     properties = parameters.get("properties") or {}
-    required = set(parameters.get("required") or ())
+    required = parameters.get("required") or []
+    if not isinstance(properties, dict) or not isinstance(required, list):
+        raise GrammarError("parameters' properties must be an object and its required a list")
+    if any(set(key) & set("<>\n") for key in properties):  # the call's text could not say where the name ends
+        raise GrammarError("a parameter name holds '<', '>' or a newline")
+    required = {key for key in required if isinstance(key, str)}
     definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
     rules, parts = [], []
     for position, (key, schema) in enumerate(properties.items()):

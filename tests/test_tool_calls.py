@@ -112,3 +112,17 @@ def test_bad_tool_requests_get_a_400_naming_the_param(scripted, fields, param):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, **fields)
     assert raised.value.body["param"].startswith(param), raised.value.body
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": [1, 2]},
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"},
+    {"type": "object", "properties": {"a>b": {"type": "string"}}},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": "x"}}},
+], ids=["properties-not-object", "required-not-list", "name-with-bracket", "bad-schema"])  # fmt: skip
+def test_a_forced_call_with_parameters_no_grammar_can_follow_gets_a_400_naming_tools(scripted, parameters):
+    _, client, _ = scripted
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], tool_choice="required")
+    assert caught.value.body["param"] == "tools"
