@@ -4,9 +4,10 @@ throughput per prompt length, compile times; each figure beside its roofline flo
     python -m qwen35_jax.serving.offline_bench --model 4b --batches 1,16,64,256 --context 1024 \\
         --prefill 1024,8192 --result-json engine.json
 
-Floors (H200): decode step >= bytes read per step / 4.3 TB/s (every weight once, the KV of every row's
-context, the GDN state read and written); prefill >= bf16 FLOPs / 790 TFLOP/s (2 x non-embedding
-params x tokens, plus causal attention). Requests run through the real engine (scheduler, runner,
+Floors, from the card's measured limits (qwen35_jax/roofline.py; 4.3 TB/s and 790 TFLOP/s on the H200): decode
+step >= bytes read per step / HBM bandwidth (every weight once, the KV of every row's context, the GDN state read
+and written); prefill >= bf16 FLOPs / the bf16 matrix rate (2 x non-embedding params x tokens, plus causal
+attention). On a device without measured limits (a CPU) the floor fields are null. Requests run through the real engine (scheduler, runner,
 one-step-late reads), with random prompts and ignore_eos.
 """
 
@@ -21,7 +22,7 @@ import time
 
 import numpy as np
 
-from qwen35_jax.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S
+from qwen35_jax.roofline import device_limits
 
 
 def parameter_count(cfg) -> int:
@@ -138,13 +139,12 @@ def bench_decode(engine, cfg, batch: int, context: int, steps: int, rng) -> dict
     measured = full[2 : 2 + steps]  # skip the first full steps: the previous step may still be a prefill
     steady = [seconds for seconds, *_ in measured]
     tpot = statistics.median(steady)
-    floor = (
-        decode_floor_bytes(cfg, batch, context, state_bytes=engine.runner.cache.ssm.dtype.itemsize) / HBM_BYTES_PER_S
-    )
+    limits = device_limits()
+    floor_bytes = decode_floor_bytes(cfg, batch, context, state_bytes=engine.runner.cache.ssm.dtype.itemsize)
     return {
         "batch": batch, "context": context, "steps_measured": len(steady), "tpot_ms": tpot * 1e3,
         "tpot_p90_ms": float(np.percentile(steady, 90)) * 1e3, "throughput_tok_s": batch / tpot,
-        "floor_ms": floor * 1e3, "ratio_to_floor": tpot / floor, "roofline_fraction": floor / tpot,
+        **_against_floor(tpot, floor_bytes / limits.hbm_bytes_per_s if limits else None),
         "host_launch_ms": statistics.median(m[1] for m in measured) * 1e3,
         "host_fetch_and_process_ms": statistics.median(m[2] for m in measured) * 1e3,
         "host_device_wait_ms": statistics.median(m[3] for m in measured) * 1e3,
@@ -173,12 +173,18 @@ def bench_prefill(engine, cfg, tokens: int, repeats: int, rng) -> dict:
         engine.run_until_done()
         times.append(first[-1] - start)
     best = min(times)
-    floor = prefill_floor_flops(cfg, tokens) / BF16_FLOPS_PER_S
+    limits = device_limits()
     return {
         "tokens": tokens, "ttft_ms_best": best * 1e3, "ttft_ms_median": statistics.median(times) * 1e3,
-        "throughput_tok_s": tokens / best, "floor_ms": floor * 1e3, "ratio_to_floor": best / floor,
-        "roofline_fraction": floor / best,
+        "throughput_tok_s": tokens / best,
+        **_against_floor(best, prefill_floor_flops(cfg, tokens) / limits.bf16_flops_per_s if limits else None),
     }  # fmt: skip
+
+
+def _against_floor(seconds: float, floor: float | None) -> dict:
+    if floor is None:
+        return {"floor_ms": None, "ratio_to_floor": None, "roofline_fraction": None}
+    return {"floor_ms": floor * 1e3, "ratio_to_floor": seconds / floor, "roofline_fraction": floor / seconds}
 
 
 def build(args, model, batches: list[int], chunks: list[int], max_model_len: int):
@@ -267,7 +273,11 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     # Decode: the page table spans only context + generated tokens, as a server sized for it would.
     engine, compile_decode = build(args, model, batches, [args.context], args.context + batches[-1] + args.steps + 32)
+    import jax
+
+    limits = device_limits()
     result = {"model": args.model, "kernels": args.kernels, "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
+              "device": jax.devices()[0].device_kind, "limits": limits._asdict() if limits else None,
               "load_s": load_s,
               "ready_s_decode_engine": time.perf_counter() - start, "compile_s_decode_engine": compile_decode}  # fmt: skip
     print(json.dumps(result), flush=True)

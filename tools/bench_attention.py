@@ -1,6 +1,7 @@
 """Micro-benchmark of the attention kernels on the GPU: the Pallas decode kernel and the prefill attention (the chunk
 part on tokamax's kernel, then the Triton prefix pass: `kernels/chunk_attention.py`) against their jitted XLA
-references, each next to its roofline (decode: bytes moved / 4.3 TB/s; prefill: FLOPs / 790 TFLOP/s bf16).
+references, each next to its roofline (decode: bytes moved / HBM bandwidth; prefill: FLOPs / the bf16 matrix rate; the card's measured limits,
+qwen35_jax/roofline.py).
 
     python tools/bench_attention.py                                   # both kernels, 4B heads, default cases
     python tools/bench_attention.py --kernel decode --batch 1 8 64 --context 1024 4096 --sweep
@@ -40,7 +41,7 @@ import sys
 import numpy as np
 from jax_timing import best_seconds
 
-from qwen35_jax.roofline import BF16_FLOPS_PER_S, HBM_BYTES_PER_S
+from qwen35_jax.roofline import require_device_limits
 from qwen35_jax.serving.offline_bench import save_json
 
 MIN_POOL_BYTES = 256 * 2**20
@@ -108,7 +109,8 @@ def prefill_work(starts, lengths, chunk, heads, kv_heads, dim, itemsize) -> tupl
 
 
 def roofline_seconds(bytes_moved: float, flops: float) -> float:
-    return max(bytes_moved / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S)
+    limits = require_device_limits()
+    return max(bytes_moved / limits.hbm_bytes_per_s, flops / limits.bf16_flops_per_s)
 
 
 def bench_case(kind: str, case: dict, shape: dict, args, configs: list[dict]) -> list[dict]:

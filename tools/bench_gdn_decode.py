@@ -10,7 +10,7 @@ Each (block_dv, num_warps) is passed to the kernel as a `GdnDecodeTuning`. Witho
 [batch, nv, dk, dv] array, run through the kernel as a one-layer pool whose slots are the rows in order.
 Time is device time a call: `iters` calls chained in one jitted loop (the state carried, as in serving), the
 best of `--repeats` runs, so host dispatch is not counted (fla: `iters` calls replayed from one CUDA graph).
-The kernel is memory bound; the roofline is bytes moved / 4.3 TB/s (the fp32 state read and written once
+The kernel is memory bound; the roofline is bytes moved / the card's HBM bandwidth (4.3 TB/s on the H200) (the fp32 state read and written once
 dominates: 2 * 4 * dk * dv bytes a head). XLA may hoist the loop-invariant l2norm of q, k out of the
 reference's loop, which flatters the reference slightly.
 
@@ -34,7 +34,7 @@ import sys
 
 from jax_timing import chained_seconds
 
-from qwen35_jax.roofline import HBM_BYTES_PER_S
+from qwen35_jax.roofline import require_device_limits
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch when fla runs too
 
@@ -122,14 +122,14 @@ def report(name: str, seconds: float, bytes_moved: int, flops: int, ref_seconds:
            batch: int, baseline: str = "XLA ref", label: str | None = None, **extra):  # fmt: skip
     """One result row: printed (as `label`, default `name`) and kept for --json. ref_over_impl is the time of
     `baseline` (ref_seconds) over this one; extra fields go into the JSON row."""
-    roofline = bytes_moved / HBM_BYTES_PER_S
+    roofline = bytes_moved / require_device_limits().hbm_bytes_per_s
     RESULTS.append(dict(kernel="gdn_decode", batch=batch, impl=name, us=seconds * 1e6, bytes=bytes_moved,
                         flops=flops, roofline_us=roofline * 1e6, roofline_pct=100 * roofline / seconds,
                         baseline=baseline, ref_over_impl=ref_seconds / seconds,
                         fla_over_impl=None if fla_seconds is None else fla_seconds / seconds, **extra))  # fmt: skip
     line = (
         f"  {label or name:<28} {seconds * 1e6:9.2f} us  {bytes_moved / 1e6:9.2f} MB  {flops / 1e9:7.3f} GFLOP"
-        f"  {100 * roofline / seconds:5.1f}% of 4.3 TB/s  x{ref_seconds / seconds:5.2f} vs {baseline}"
+        f"  {100 * roofline / seconds:5.1f}% of HBM  x{ref_seconds / seconds:5.2f} vs {baseline}"
     )
     if fla_seconds is not None:
         line += f"  x{fla_seconds / seconds:5.2f} vs fla"

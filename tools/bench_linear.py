@@ -25,7 +25,7 @@ import sys
 from jax_timing import parse_gpu_benchmark_args, roofline_row
 
 from qwen35_jax.kernels.linear import LinearTuning
-from qwen35_jax.roofline import HBM_BYTES_PER_S
+from qwen35_jax.roofline import require_device_limits
 
 # (name, out, in) at 4B: the products of one decode step (the model's fused weights).
 SHAPES_4B = (
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
             continue
         ws = [0.02 * jax.random.normal(jax.random.fold_in(key, i), (out_dim, in_dim), jnp.bfloat16)
               for i in range(args.copies)]  # fmt: skip
-        floor_s = out_dim * in_dim * 2 / HBM_BYTES_PER_S
+        floor_s = out_dim * in_dim * 2 / require_device_limits().hbm_bytes_per_s
         for batch in args.batch:
             xs = [jax.random.normal(jax.random.fold_in(key, 1000 + i), (batch, in_dim), jnp.bfloat16)
                   for i in range(args.copies)]  # fmt: skip

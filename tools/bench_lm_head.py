@@ -17,7 +17,7 @@ import sys
 
 from jax_timing import best_seconds, parse_gpu_benchmark_args, roofline_row
 
-from qwen35_jax.roofline import HBM_BYTES_PER_S
+from qwen35_jax.roofline import require_device_limits
 
 
 def formulations():
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     key = jax.random.key(0)
     emb = jax.random.normal(key, (args.vocab, args.hidden), jnp.bfloat16)
     w = jnp.zeros((args.hidden,), jnp.bfloat16)
-    floor_s = emb.size * 2 / HBM_BYTES_PER_S
+    floor_s = emb.size * 2 / require_device_limits().hbm_bytes_per_s
     rows = []
     for batch in args.batch:
         h = jax.random.normal(jax.random.fold_in(key, batch), (batch, args.hidden), jnp.bfloat16)

@@ -14,7 +14,7 @@ import json
 def main() -> None:
     from qwen35_jax.api import load_model
     from qwen35_jax.cache import CacheSpec
-    from qwen35_jax.roofline import BF16_FLOPS_PER_S
+    from qwen35_jax.roofline import require_device_limits
     from qwen35_jax.serving.factory import enable_compile_cache
     from qwen35_jax.serving.offline_bench import prefill_floor_flops
     from qwen35_jax.serving.runner import CONCURRENT_GRAPH, Buckets, Runner
@@ -59,7 +59,11 @@ def main() -> None:
     for key in keys:
         tokens = key[1] * key[2]
         # P separate prompts: P x the floor of one T-token prompt (attention is causal within each).
-        floor = key[1] * prefill_floor_flops(model.config, key[2]) / BF16_FLOPS_PER_S if tokens else None
+        floor = (
+            key[1] * prefill_floor_flops(model.config, key[2]) / require_device_limits().bf16_flops_per_s
+            if tokens
+            else None
+        )
         row = {"key": list(key), "ms": costs[key] * 1e3, "prefill_floor_ms": floor and floor * 1e3,
                "scratch_mib": runner.temp_bytes[key] / 2**20}  # fmt: skip
         rows.append(row)

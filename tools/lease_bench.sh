@@ -44,6 +44,7 @@ bench() {  # port label flags...
 case $stage in
   offline)
     python3 "$here/device_limits.py" --json "$out/device_limits.json"
+    export QWEN35_JAX_DEVICE_LIMITS=$out/device_limits.json  # the floors from this card's own limits
     python3 -m qwen35_jax.serving.offline_bench --model 4b --context 1024 --batches 1,16,64,256 \
       --prefill 1024,8192 --compile-cache "$cache" --result-json "$out/engine.json"
     ;;

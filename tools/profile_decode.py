@@ -20,7 +20,7 @@ import time
 import numpy as np
 from device_trace import time_by_name, trace_events
 
-from qwen35_jax.roofline import HBM_BYTES_PER_S
+from qwen35_jax.roofline import require_device_limits
 
 
 def summarise(kernels: list[dict], host: list[dict], steps: int, top: int) -> dict:
@@ -73,7 +73,7 @@ def _shape_bytes(shapes: str) -> int:
 def kernel_traffic(kernels: list[dict], steps: int, hlo: str, top: int) -> list[dict]:
     """For the `top` device kernels by time whose name is a fusion or custom call of the optimised HLO: calls
     per step, the bytes one call's operands and result hold (a lower bound on what it moves), and the
-    bandwidth that implies against HBM's 4.3 TB/s. Names in the trace are the HLO instruction names with
+    bandwidth that implies against the card's HBM bandwidth (4.3 TB/s on the H200). Names in the trace are the HLO instruction names with
     "." written "_"; identical fusions share one kernel and its first instruction's name."""
     shapes = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = (\S+(?: \S+\))?)", hlo, re.M))
     lines = {}
@@ -94,7 +94,7 @@ def kernel_traffic(kernels: list[dict], steps: int, hlo: str, top: int) -> list[
         per_step_s = us[name] / steps / 1e6
         rows.append({"kernel": name, "ms_per_step": per_step_s * 1e3, "calls_per_step": calls[name] / steps,
                      "bytes_per_call": nbytes, "result": result.split("{")[0],
-                     "hbm_fraction": nbytes * calls[name] / steps / per_step_s / HBM_BYTES_PER_S})  # fmt: skip
+                     "hbm_fraction": nbytes * calls[name] / steps / per_step_s / require_device_limits().hbm_bytes_per_s})  # fmt: skip
         if len(rows) == top:
             break
     return rows
