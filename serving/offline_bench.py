@@ -251,7 +251,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kernels", default=None, help="pallas | ref (default: pallas on a GPU, ref elsewhere)")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--prefill", default="1024,8192")
+    parser.add_argument("--prefill", default="1024,8192", help='prompt lengths to time ("" for none)')
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.85)
     parser.add_argument("--compile-cache", default=None)
@@ -269,7 +269,7 @@ def main(argv=None) -> None:
     args.kernels = model.kernels.name
     load_s = time.perf_counter() - start
     batches = sorted(int(b) for b in args.batches.split(","))
-    chunks = sorted(int(t) for t in args.prefill.split(","))
+    chunks = sorted(int(t) for t in args.prefill.split(",") if t)  # "" measures no prefill
     rng = np.random.default_rng(0)
     # Decode: the page table spans only context + generated tokens, as a server sized for it would.
     engine, compile_decode = build(args, model, batches, [args.context], args.context + batches[-1] + args.steps + 32)
@@ -297,7 +297,7 @@ def main(argv=None) -> None:
         result["largest_batch"], result["largest_batch_failure"] = search_largest_batch(args, model, rng)
         print(json.dumps({k: result[k] for k in ("largest_batch", "largest_batch_failure")}), flush=True)
         save_json(args.result_json, result)
-    if not args.ready_only:
+    if chunks and not args.ready_only:
         engine, result["compile_s_prefill_engine"] = build(args, model, [1], chunks, chunks[-1] + 16)
         result["prefill"] = [bench_prefill(engine, model.config, t, 3, rng) for t in chunks]
         print(json.dumps(result["prefill"]), flush=True)

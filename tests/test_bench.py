@@ -140,3 +140,20 @@ def test_a_batch_the_kv_pool_cannot_hold_is_refused_before_it_runs(tiny_model):
 
     best, failure = largest_batch([2, 4, 8], try_batch)
     assert best == {"batch": 4} and failure["batch"] == 8 and "does not fit" in failure["error"]
+
+
+def test_offline_bench_decode_only_on_a_device_without_limits(tmp_path):
+    """The offline benchmark end to end on the tiny model: `--prefill ''` times decode alone (the `lease_bench.sh
+    host` stage's form), and on a device with no measured limits (this CPU) the floor columns are null rather than
+    another card's."""
+    from qwen35_jax.serving import offline_bench
+
+    result = tmp_path / "engine.json"
+    offline_bench.main(["--model", "tiny", "--context", "32", "--batches", "1", "--prefill", "", "--steps", "4",
+                        "--result-json", str(result)])  # fmt: skip
+    data = json.loads(result.read_text())
+    assert "prefill" not in data and data["limits"] is None
+    (decode,) = data["decode"]
+    assert decode["batch"] == 1 and decode["steps_measured"] == 4 and decode["tpot_ms"] > 0
+    assert decode["floor_ms"] is None and decode["roofline_fraction"] is None
+    assert 0 < decode["host_own_ms"] <= decode["host_launch_ms"] + decode["host_fetch_and_process_ms"]

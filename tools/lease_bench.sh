@@ -11,11 +11,14 @@
 #   tools/lease_bench.sh server OUTDIR    `serve --model 4b --max-batch 64` from a cold cache: time to ready, the
 #                                         HTTP cells (c1 and c16 1024/256, QPS16 1024/128, 16 x 128 bursts), then
 #                                         the same server from the warm cache: time to ready
+#   tools/lease_bench.sh host OUTDIR      the host's own time a decode step (batch 1; HOST_BATCHES) under each of XLA's
+#                                         command buffer update modes, and with command buffers off; XLA's log
+#                                         of how many commands each step re-records (OUTDIR/host/*.log)
 #   tools/lease_bench.sh report OUTDIR    the table (OUTDIR/table.md) and the two plots (OUTDIR/*.png)
 #
 # Model: the 4B preset with random bf16 weights (no trained weights exist on the host).
 set -euo pipefail
-stage=${1:?usage: tools/lease_bench.sh offline|peer|kernels|server|report OUTDIR}
+stage=${1:?usage: tools/lease_bench.sh offline|peer|kernels|server|host|report OUTDIR}
 out=${2:?usage: tools/lease_bench.sh STAGE OUTDIR}
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${QWEN35_JAX_COMPILE_CACHE:-$out/xla-cache}
@@ -79,6 +82,30 @@ case $stage in
     kill $server; wait $server 2>/dev/null || true  # stopped here, so the stage exits 0 rather than the kill's 143
     trap - EXIT
     ;;
+  host)
+    # The batch-1 step's launch is mostly XLA re-recording its command buffer (a CUDA graph): any command whose
+    # buffers moved since the last run is updated, and the step's inputs and outputs are new buffers every step.
+    # ALWAYS_UPDATE is XLA's default; SKIP_TEMP keeps the temporary buffer at one virtual address, SKIP_PROFILED
+    # every allocation it sees move (both through the VMM allocator); exclusive_lock drops the locking that lets
+    # other threads run the same program. Each variant compiles into its own cache. HOST_BATCHES (default 1) sets
+    # the batches.
+    mkdir -p "$out/host"
+    [ -f "$out/device_limits.json" ] && export QWEN35_JAX_DEVICE_LIMITS=$out/device_limits.json
+    for mode in ALWAYS_UPDATE SKIP_TEMP SKIP_PROFILED exclusive_lock off; do
+      case $mode in
+        off) flags=--xla_gpu_enable_command_buffer= ;;
+        exclusive_lock) flags=--xla_gpu_require_exclusive_lock=true ;;
+        *) flags=--xla_gpu_command_buffer_update_mode=$mode ;;
+      esac
+      XLA_FLAGS="${XLA_FLAGS:-} $flags" TF_CPP_MIN_LOG_LEVEL=0 \
+        TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1,command_buffer_cmd_executor=1,command_buffer_cmd=1 \
+        timeout 115 python3 -m qwen35_jax.serving.offline_bench --model 4b --context 1024 \
+        --batches "${HOST_BATCHES:-1}" --prefill '' --compile-cache "$out/host/xla-$mode" \
+        --result-json "$out/host/$mode.json" >"$out/host/$mode.log" 2>&1 \
+        || echo "$mode failed: $(tail -n 3 "$out/host/$mode.log")"
+    done
+    python3 "$here/host_modes_report.py" "$out/host"
+    ;;
   report)
     peer=()
     [ -f "$out/peer.json" ] && peer=(--peer "$out/peer.json")
@@ -87,7 +114,7 @@ case $stage in
     cat "$out/table.md"
     ;;
   *)
-    echo "unknown stage $stage: offline|peer|kernels|server|report" >&2
+    echo "unknown stage $stage: offline|peer|kernels|server|host|report" >&2
     exit 2
     ;;
 esac
