@@ -8,6 +8,7 @@ flag or a taken port fails in milliseconds with exit code 2 and a message naming
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import threading
@@ -45,6 +46,10 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model as given)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):  # fmt: skip
+        p.add_argument(flag, default='["*"]', help=f"CORS: the {what} browsers may call from, as a JSON list")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     numerics_flags(p)
     p.add_argument("--max-batch", type=int, default=defaults.max_batch, help="most requests running at once")
     p.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens,
@@ -157,12 +162,27 @@ def validate_serve(args):
         raise FlagError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise FlagError("--served-model-name must not be empty")
+    for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        setattr(args, flag, _json_strings(getattr(args, flag), "--" + flag.replace("_", "-")))
     cfg = model_config(args.model)
     config = engine_config(args, cfg.max_position_embeddings)
     if config.max_model_len > cfg.max_position_embeddings:
         raise FlagError(f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings "
                         f"({cfg.max_position_embeddings})")  # fmt: skip
     return config, cfg
+
+
+def _json_strings(value, flag: str) -> tuple[str, ...]:
+    """A flag given as a JSON list of strings (vLLM's form: '["https://a.example", "https://b.example"]')."""
+    if isinstance(value, tuple):  # checked already
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+        raise FlagError(f"{flag} must be a JSON list of strings, such as '[\"*\"]', got {value!r}")
+    return tuple(parsed)
 
 
 class _Elapsed:
@@ -247,7 +267,8 @@ def _serve_on(sock, args, config, cfg) -> None:
         max_queue=args.max_queue, default_chat_max_tokens=args.default_chat_max_tokens,
         max_logprobs=config.num_top_logprobs, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser, prompt_logprobs=config.prompt_logprobs_chunk > 0,
-        model_root=args.model,
+        model_root=args.model, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
     )  # fmt: skip
     app = http.create_app(http.OpenAIServer(engine, model.tokenizer, server_config))
     url = http.listen_url(sock)

@@ -8,15 +8,19 @@ The body is read here in full (that is how its size is known) and replayed to th
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 
 from qwen35_jax.serving.errors import error_body
 from qwen35_jax.serving.metrics import ServingMetrics
 from qwen35_jax.serving.server_config import ServerConfig
 
+log = logging.getLogger(__name__)
+
 
 class Gate:
-    """ASGI middleware: a 401 for a missing or wrong key, a 413 for a body over `max_body_bytes`."""
+    """ASGI middleware: a 401 for a missing or wrong key, a 413 for a body over `max_body_bytes`, and a 500 in the
+    error shape for whatever the app raises before it answers."""
 
     DRAIN_LIMIT = 64 << 20  # a too-large body up to this size is read and dropped so the client sees the 413
 
@@ -43,7 +47,21 @@ class Gate:
         if size > limit:
             return await self._reply(send, 413, f"request body of {size}+ bytes exceeds the limit of {limit} bytes",
                                      "request_too_large")  # fmt: skip
-        return await self.app(scope, _replay(body, receive), send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, _replay(body, receive), tracked_send)
+        except Exception as error:
+            # Answered here rather than re-raised: Starlette's last-resort handler re-raises after its 500, and the
+            # server then drops the connection, so a client's next request on it (keep-alive) failed too.
+            log.exception("unexpected error")
+            if not started:
+                await self._reply(send, 500, f"internal error: {type(error).__name__}", "internal_error")
 
     async def _reply(self, send, status: int, message: str, code: str) -> None:
         self.metrics.http_errors.labels(status=str(status)).inc()

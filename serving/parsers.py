@@ -241,11 +241,12 @@ def _arguments_grammar(index: int, parameters: dict | None) -> list[str]:
     return rules
 
 
-def tool_call_grammar(tools: dict[str, dict], named: str | None = None) -> str:
+def tool_call_grammar(tools: dict[str, dict], named: str | None = None, parallel: bool = True) -> str:
     """The Lark grammar of a chat answer whose prompt ends in the forced head of a tool call (`<tool_call>` then
     `<function=`, or `<function=NAME>` and a newline for a named function). tools: name -> the request's function
-    definition. With a named function the answer finishes that one call; otherwise it names one of the tools and
-    may add further whole calls after it (vLLM's "required": one call or more)."""
+    definition. With a named function the answer finishes that one call; otherwise it names one of the tools and,
+    when `parallel` (OpenAI's parallel_tool_calls, true by default), may add further whole calls after it (vLLM's
+    "required": one call or more)."""
     rules = []
     for index, (name, function) in enumerate(tools.items()):
         if named is None or name == named:
@@ -262,4 +263,5 @@ def tool_call_grammar(tools: dict[str, dict], named: str | None = None) -> str:
     calls = " | ".join(f"{_lark_literal(f'{name}>\n')} args{index} {_lark_literal(_CALL_END)}"
                        for index, name in enumerate(tools))  # fmt: skip
     head = _lark_literal(f"\n{TOOL_START}\n<function=")
-    return "\n".join([f"start: call ({head} call)*", f"call: {calls}", *rules])
+    start = f"start: call ({head} call)*" if parallel else "start: call"
+    return "\n".join([start, f"call: {calls}", *rules])

@@ -308,6 +308,8 @@ class RequestPreparer:
         kwargs = _template_extras(request) | kwargs
         messages = [m.for_template() for m in request.messages]
         rendered = None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
+        for param, value in (("messages", messages), ("tools", rendered), ("chat_template_kwargs", kwargs)):
+            _require_unicode_within(value, param)
         try:
             return await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, request.add_generation_prompt,
                                            rendered, request.continue_final_message, **kwargs)  # fmt: skip
@@ -375,7 +377,8 @@ class RequestPreparer:
         tools = {tool.function.name: tool.function.model_dump() for tool in request.tools}
         named = request.tool_choice.function.name if isinstance(request.tool_choice, api.NamedToolChoice) else None
         try:
-            grammar = await asyncio.to_thread(self.grammars.lark, tool_call_grammar(tools, named))
+            text = tool_call_grammar(tools, named, parallel=request.parallel_tool_calls is not False)
+            grammar = await asyncio.to_thread(self.grammars.lark, text)
         except GrammarError as err:
             raise APIError(400, f"tools: a parameter schema cannot be used to constrain the forced tool call: {err}",
                            "tools") from None  # fmt: skip
@@ -477,7 +480,7 @@ def _chat_echo(request: api.ChatCompletionRequest) -> str | None:
     last = request.messages[-1]
     if not request.echo or last.role != "assistant" or last.content is None:
         return None
-    return last.content if isinstance(last.content, str) else "".join(part.text for part in last.content)
+    return "".join(last.parts())
 
 
 def _wrap_int64(value: int) -> int:
@@ -491,6 +494,20 @@ def _include_usage(request: api.SamplingFields) -> bool:
 def _continuous_usage(request: api.SamplingFields) -> bool:
     """As vLLM: continuous_usage_stats counts only beside include_usage."""
     return _include_usage(request) and request.stream_options.continuous_usage_stats
+
+
+def _require_unicode_within(value, param: str) -> None:
+    """_require_unicode over every string of a JSON-like value (keys too), naming the path of the first bad one:
+    `messages[0].content[1].text`."""
+    if isinstance(value, str):
+        _require_unicode(value, param)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _require_unicode_within(key, param)
+            _require_unicode_within(item, f"{param}.{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _require_unicode_within(item, f"{param}[{i}]")
 
 
 def _require_unicode(text: str, param: str) -> None:

@@ -1,9 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests are strict (no "5" for 5) and forbid unknown fields, so a misspelt or unsupported parameter is a
-400 that names it instead of being silently ignored. Parameters that OpenAI clients send with a neutral
-value (`best_of=1`, an empty `suffix`) are declared so that the neutral value passes; any other value is
-refused by `unsupported_params`. The value ranges here are those of the OpenAI API; limits that
+400 that names it instead of being silently ignored. A null asks for nothing: any parameter sent as null is
+taken as not sent (its default), as OpenAI's schema allows for every optional parameter. Parameters that
+OpenAI clients send with a neutral value (`best_of=1`, an empty `suffix`, `modalities: ["text"]`) are declared
+so that the neutral value passes; any other value is refused by `unsupported_params` or by the field's type. The value ranges here are those of the OpenAI API; limits that
 depend on the served model (vocabulary, context length, logprob count) are checked in prompts.py.
 """
 
@@ -13,7 +14,7 @@ import dataclasses
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
@@ -38,6 +39,15 @@ TokenId = Annotated[Int, Field(ge=0)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_sent(cls, data: Any) -> Any:
+        """Generated clients send every optional field, null when unset (`"stream": null`): null means the
+        default, whatever the field's type."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -146,7 +156,11 @@ class SamplingFields(_Strict):
     store: bool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: str | None = None
+    # vLLM's per-request choice of grammar library: a constraint allows the same answers in any of them, and this
+    # server has one (llguidance), so the name changes nothing.
+    guided_decoding_backend: str | None = None
     # vLLM's beam search, taken at its neutral values only
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -238,6 +252,15 @@ class CompletionRequest(SamplingFields):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    # A prompt-caching hint (Anthropic-style clients and LiteLLM send it); this server has no cache to steer.
+    cache_control: dict[str, Any] | None = None
+
+
+class RefusalPart(_Strict):
+    """An assistant's refusal, as OpenAI answers it and clients send it back in the next turn's history."""
+
+    type: Literal["refusal"]
+    refusal: str
 
 
 class ChatMessage(BaseModel):
@@ -246,17 +269,32 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _refusals_are_the_assistants(self) -> ChatMessage:
+        if self.role != "assistant" and isinstance(self.content, list):
+            if any(isinstance(part, RefusalPart) for part in self.content):
+                raise ValueError(f"a {self.role} message cannot hold a refusal part: only an assistant's can")
+        return self
+
+    def parts(self) -> list[str]:
+        """The texts of the content's parts (a refusal part's is what the assistant said)."""
+        if not isinstance(self.content, list):
+            return [] if self.content is None else [self.content]
+        return [part.text if isinstance(part, TextPart) else part.refusal for part in self.content]
 
     def for_template(self) -> dict[str, Any]:
         """The message as the tokenizer's chat template takes it (`developer` is the newer name of `system`)."""
         message = self.model_dump(exclude_none=True)
         if message["role"] == "developer":
             message["role"] = "system"
+        if isinstance(self.content, list):
+            message["content"] = [{"type": "text", "text": text} for text in self.parts()]
         return message
 
 
@@ -290,6 +328,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=512)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1)] | None = None  # OpenAI's: text is the one
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: the prompt ends with the assistant turn's opening (the default), or, with continue_final_message,
     # with the last message's own text, left open for the model to continue.

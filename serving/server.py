@@ -30,6 +30,7 @@ import time
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -177,6 +178,11 @@ def create_app(server: OpenAIServer) -> FastAPI:
     _add_error_handlers(app, server)
     _add_routes(app, server)
     app.add_middleware(Gate, config=server.config, metrics=server.metrics)
+    config = server.config
+    # Added last, so it is outermost: a browser's preflight (OPTIONS, no API key) is answered before the gate.
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allow_credentials)  # fmt: skip
     return app
 
 

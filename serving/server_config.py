@@ -28,3 +28,8 @@ class ServerConfig:
     # The engine has prompt-logprobs programs (--prompt-logprobs-chunk): echo with logprobs and prompt_logprobs work.
     prompt_logprobs: bool = False
     model_root: str | None = None  # where the model came from (--model): the model card's `root`, as vLLM's
+    # CORS, as vLLM's flags set it: browsers may call the API from any origin by default.
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False

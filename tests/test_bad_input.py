@@ -42,6 +42,31 @@ CASES = [
     ("prompt-lone-surrogate", "POST", COMPLETIONS, ascii_json(completion(prompt="x\ud800y")), {}, 400),
     ("prompt-list-lone-surrogate", "POST", COMPLETIONS, ascii_json(completion(prompt=["\udc00"])), {}, 400),
     ("prompt-surrogate-streamed", "POST", COMPLETIONS, ascii_json(completion(prompt="\ud800", stream=True)), {}, 400),
+    ("chat-lone-surrogate", "POST", CHAT, ascii_json(chat(messages=[{"role": "user", "content": "\ud83d"}])), {}, 400),
+    (
+        "chat-part-lone-surrogate",
+        "POST",
+        CHAT,
+        ascii_json(chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}])),
+        {},
+        400,
+    ),
+    (
+        "tool-description-lone-surrogate",
+        "POST",
+        CHAT,
+        ascii_json(chat(tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}])),
+        {},
+        400,
+    ),
+    (
+        "tokenize-messages-lone-surrogate",
+        "POST",
+        "/tokenize",
+        ascii_json({"model": MODEL, "messages": [{"role": "system", "content": "\udc00"}]}),
+        {},
+        400,
+    ),
     ("max-tokens-string", "POST", COMPLETIONS, completion(max_tokens="5"), {}, 400),
     ("max-tokens-bool", "POST", COMPLETIONS, completion(max_tokens=True), {}, 400),
     ("temperature-string", "POST", COMPLETIONS, completion(temperature="hot"), {}, 400),
@@ -122,6 +147,16 @@ CASES = [
     ("logit-bias-above-100", "POST", CHAT, chat(logit_bias={"5": 101}), {}, 400),
     ("logit-bias-too-many", "POST", COMPLETIONS, completion(logit_bias={str(i): 1 for i in range(300)}), {}, 400),
     ("unknown-field", "POST", COMPLETIONS, completion(frobnicate=True), {}, 400),
+    ("modalities-audio", "POST", CHAT, chat(modalities=["text", "audio"]), {}, 400),
+    ("audio-output", "POST", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), {}, 400),
+    (
+        "refusal-part-in-a-user-message",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]),
+        {},
+        400,
+    ),
     ("completion-logprobs-21", "POST", COMPLETIONS, completion(logprobs=21), {}, 400),
     ("top-logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=3), {}, 400),
     ("top-logprobs-30", "POST", CHAT, chat(logprobs=True, top_logprobs=30), {}, 400),
@@ -237,6 +272,42 @@ def test_accepted_harmless_and_neutral_params(idle_server, http):
                           {"role": "assistant", "content": "yo", "refusal": None, "annotations": []},
                           {"role": "user", "content": "again"}])  # fmt: skip
     assert send(http, idle_server, "POST", CHAT, body, {}).status_code == 200
+
+
+def test_a_null_parameter_is_its_default(idle_server, http):
+    """Generated clients send every optional field, null when unset: null is the default, for every type."""
+    body = completion(stream=None, ignore_eos=None, min_tokens=None, echo=None, skip_special_tokens=None,
+                      include_stop_str_in_output=None, priority=None, seed=None, logprobs=None)  # fmt: skip
+    response = send(http, idle_server, "POST", COMPLETIONS, body, {})
+    assert response.status_code == 200, response.text
+    assert response.json()["object"] == "text_completion"  # stream null: not a stream
+    body = chat(stream=None, echo=None, add_generation_prompt=None, modalities=None, audio=None, prediction=None,
+                stream_options=None, tools=None, tool_choice=None)  # fmt: skip
+    assert send(http, idle_server, "POST", CHAT, body, {}).status_code == 200
+
+
+def test_clients_neutral_and_hint_fields_pass(idle_server, http):
+    """OpenAI's text-only modalities, caching hints on parts and requests, vLLM's grammar-backend name, and an
+    assistant's refusal part echoed back in the history."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+                {"role": "user", "content": "again"}]  # fmt: skip
+    body = chat(messages=messages, modalities=["text"], prompt_cache_retention="24h",
+                guided_decoding_backend="xgrammar")  # fmt: skip
+    response = send(http, idle_server, "POST", CHAT, body, {})
+    assert response.status_code == 200, response.text
+    rendered = send(http, idle_server, "POST", "/tokenize", {"model": MODEL, "messages": messages}, {}).json()
+    plain = [messages[0] | {"content": "hi"}, {"role": "assistant", "content": "I cannot."}, messages[2]]
+    assert rendered["tokens"] == send(http, idle_server, "POST", "/tokenize", {"model": MODEL, "messages": plain},
+                                      {}).json()["tokens"]  # fmt: skip
+
+
+def test_a_lone_surrogate_in_a_conversation_names_where_it_is(idle_server, http):
+    body = ascii_json(chat(messages=[{"role": "user", "content": "ok"},
+                                     {"role": "user", "content": [{"type": "text", "text": "x"},
+                                                                  {"type": "text", "text": "\ud83d!"}]}]))  # fmt: skip
+    error = send(http, idle_server, "POST", CHAT, body, {}).json()["error"]
+    assert error["param"] == "messages[1].content[1].text" and "surrogate" in error["message"], error
 
 
 @pytest.mark.parametrize("path, body", [(COMPLETIONS, completion(model=...)), (CHAT, chat(model=...))],

@@ -649,6 +649,8 @@ def no_weight_loads(monkeypatch):
         (["--port", "70000"], "--port"),
         (["--max-queue", "-1"], "--max-queue"),
         (["--api-key", ""], "--api-key"),
+        (["--allowed-origins", "*"], "--allowed-origins"),  # not a JSON list
+        (["--allowed-headers", "[1]"], "--allowed-headers"),
         (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
         (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser"),
         (["--tool-call-parser", "hermes"], "--tool-call-parser"),
@@ -765,3 +767,64 @@ def test_sigterm_ends_every_stream_with_a_finish_reason(live_server, tmp_path, s
     assert {r["finish_reason"] for r in results} == finish_reasons, results
     # A chunk per token, the last carrying the finish reason: the drained streams got all 100 tokens.
     assert all((r["chunks"] >= 100) == (finish_reasons == {"length"}) for r in results), results
+
+
+def test_browsers_may_call_the_api_from_any_origin(live_server):
+    """CORS as vLLM's defaults set it: a preflight is answered without the API key, and answers carry the
+    allow-origin header."""
+    origin = {"Origin": "https://ui.example"}
+    preflight = httpx.options(f"{live_server.root}/v1/chat/completions",
+                              headers=origin | {"Access-Control-Request-Method": "POST",
+                                                "Access-Control-Request-Headers": "authorization,content-type"})  # fmt: skip
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] in ("*", "https://ui.example")
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    models = httpx.get(f"{live_server.root}/v1/models", headers=origin | live_server.headers())
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "*"
+
+
+class _Collected:
+    def __init__(self):
+        self.messages = []
+
+    async def __call__(self, message):
+        self.messages.append(message)
+
+
+def _gate_call(app) -> list[dict]:
+    """Runs the gate in front of `app` on one request; the messages it sent."""
+    from qwen35_jax.serving.metrics import ServingMetrics
+    from qwen35_jax.serving.middleware import Gate
+    from qwen35_jax.serving.server_config import ServerConfig
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    sent = _Collected()
+    gate = Gate(app, ServerConfig("m", 64, 100), ServingMetrics())
+    scope = {"type": "http", "path": "/v1/completions", "headers": [(b"content-length", b"2")]}
+    asyncio.run(gate(scope, receive, sent))
+    return sent.messages
+
+
+def test_an_unexpected_error_is_a_500_in_the_error_shape_and_not_raised_on():
+    """Raised on, it reached Starlette's last-resort handler, which answers and re-raises, and the server then
+    dropped the connection: the client's next request on it failed too."""
+
+    async def broken(scope, receive, send):
+        raise TypeError("a bug")
+
+    start, body = _gate_call(broken)
+    assert start["status"] == 500
+    assert json.loads(body["body"])["error"] == {"message": "internal error: TypeError",
+                                                 "type": "internal_server_error", "param": None,
+                                                 "code": "internal_error"}  # fmt: skip
+
+
+def test_an_error_after_the_answer_started_sends_nothing_more():
+    async def broken_stream(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise TypeError("a bug mid-stream")
+
+    (start,) = _gate_call(broken_stream)
+    assert start == {"type": "http.response.start", "status": 200, "headers": []}

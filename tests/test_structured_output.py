@@ -499,6 +499,15 @@ def test_the_forced_call_grammar_takes_the_tools_calls_only(compiler, named, tex
     assert walk(compiler.lark(tool_call_grammar(FUNCTIONS, named)), text) == verdict
 
 
+@pytest.mark.parametrize("text, verdict", [
+    (WEATHER_CALL, "finished"),  # one whole call ends the answer
+    (f"{WEATHER_CALL}\n<tool_call>", "refused"),  # no second call
+])  # fmt: skip
+def test_without_parallel_calls_required_is_one_call(compiler, text, verdict):
+    """parallel_tool_calls=false: tool_choice "required" makes exactly one call, as OpenAI's does."""
+    assert walk(compiler.lark(tool_call_grammar(FUNCTIONS, None, parallel=False)), text) == verdict
+
+
 def test_a_call_the_grammar_takes_parses_back_to_its_arguments():
     parser = OutputParser(False, FUNCTIONS, prefix="<tool_call>\n<function=")
     delta = parser.push(WEATHER_CALL)
