@@ -66,9 +66,9 @@ def _serve_parser(subparsers) -> None:
     p.add_argument("--mamba-ssm-cache-dtype", default=defaults.mamba_ssm_cache_dtype,
                    help="storage of the GDN layers' recurrent states: float32 (HF's precision; auto is float32) or "
                         "bfloat16 (half the state's bytes and slot memory; the math stays fp32)")  # fmt: skip
-    p.add_argument("--prompt-logprobs-chunk", type=int, default=defaults.prompt_logprobs_chunk,
-                   help="largest chunk of a prompt-logprobs step (echo with logprobs, prompt_logprobs); "
-                        "0: none compiled, such requests get a 400")  # fmt: skip
+    p.add_argument("--prompt-logprobs-chunk", type=int, default=None,
+                   help="largest chunk of a prompt-logprobs step (echo with logprobs, prompt_logprobs; default: 64, "
+                        "at most --max-prefill-tokens); 0: none compiled, such requests get a 400")  # fmt: skip
     p.add_argument("--scheduler-policy", default=defaults.scheduler_policy, help="prefill budget policy: off|auto")
     p.add_argument("--decode-overlap", default=defaults.decode_overlap,
                    help="off|stream: stream runs prefill mixers beside decode mixers on separate GPU streams")  # fmt: skip

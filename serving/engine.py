@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,13 @@ class RequestOutput:
     # With GenerationParams.prompt_logprobs, on the request's first output: one entry per prompt token from the
     # second on (the first has no context to be scored in).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # On the finishing output, vLLM's stop_reason: the stop string that ended the output, or the stop token id
+    # (from stop_token_ids); None when an end of sequence, a complete grammar or the length limit ended it.
+    stop_reason: int | str | None = None
+    # On the finishing output, the engine's clock (time.perf_counter) when the scheduler was handed the request
+    # and when a step first scheduled it (None: it never left the queue), for vLLM's queue and prefill times.
+    queued_at: float | None = None
+    scheduled_at: float | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,6 +139,8 @@ class Generation:
     # The sampling row of every step, for a request whose row never changes (`fixed_sampling_row`); None: built
     # each step.
     fixed_row: SamplingRow | None = None
+    queued_at: float | None = None  # when the scheduler was handed it (time.perf_counter)
+    scheduled_at: float | None = None  # when a step first scheduled its prompt (a chunk, or a copy of its prefix)
 
 
 @dataclasses.dataclass
@@ -187,6 +197,9 @@ class Engine:
         self.trace_steps = False
         # Run programs built in the background once while idle (`Runner.warm_up`): set by build_engine on a GPU.
         self.warm_up_idle = False
+        # Called on the engine thread once a step's outputs have all been delivered (the metrics close the step's
+        # token count there); None: nothing to call.
+        self.after_step_outputs: Callable[[], None] | None = None
 
     # ---- requests --------------------------------------------------------------------------------------
     def check(self, num_prompt_tokens: int, max_tokens: int, prompt_logprobs: bool = False) -> None:
@@ -235,7 +248,9 @@ class Engine:
             # Under the lock, so that `submit` always sees a submitted id in the inbox or in `generations`.
             for gen in inbox:
                 self.generations[gen.request.request_id] = gen
+        now = time.perf_counter()
         for gen in inbox:
+            gen.queued_at = now
             self.scheduler.add(gen.request)
         for request_id in aborts:
             self._finish(request_id, "abort", emit=True)
@@ -247,6 +262,7 @@ class Engine:
         if not plan.decode and self._in_flight is not None and self._in_flight.plan.action == OVERLAP_LAUNCH:
             self._wait_for_overlap()
             plan = self._without_retired(plan)
+        self._note_scheduled(plan)
         launched = self._launch(plan) if plan.action != "idle" else None
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
@@ -278,6 +294,17 @@ class Engine:
         return dataclasses.replace(plan, prefill=prefill, action=step_action(plan.decode, prefill),
                                    prompt_logprobs=plan.prompt_logprobs and bool(prefill),
                                    copies=tuple(copies))  # fmt: skip
+
+    def _note_scheduled(self, plan: StepPlan) -> None:
+        """Stamps the requests that this plan schedules for the first time, by a chunk of their prompt or a copy of
+        its prefix: their wait in the queue ends here (vLLM's SCHEDULED event). Decode rows need no look: a request
+        decodes only after its prompt was scheduled."""
+        now = None
+        for row in itertools.chain(plan.prefill, plan.copies):
+            gen = self.generations.get(row.request_id)
+            if gen is not None and gen.scheduled_at is None:
+                now = now or time.perf_counter()
+                gen.scheduled_at = now
 
     def _trace(self, line: str) -> None:
         if self.trace_steps:
@@ -341,6 +368,8 @@ class Engine:
             if getattr(row, "is_last", True):
                 top = (None, None) if top_ids is None else (top_ids[i], top_lp[i])
                 self._accept(row.request_id, int(tokens[i]), float(chosen[i]), *top)
+        if self.after_step_outputs is not None:
+            self.after_step_outputs()
 
     def _gather_prompt_logprobs(self, chunk, logprobs, ranks, top_ids, top_lp) -> None:
         """A prompt-logprobs step's results: position j of the chunk scored prompt token `chunk.targets[j]`."""
@@ -373,7 +402,8 @@ class Engine:
             lps = [TokenLogprob(token, logprob, top)]
         self._emit(gen, RequestOutput(request_id, [token], text, lps))
         if stopped or reason is not None:
-            self._finish(request_id, "stop" if stopped else reason, emit=True)
+            self._finish(request_id, "stop" if stopped else reason, emit=True,
+                         stop_reason=self._stop_reason(gen, token, stopped))  # fmt: skip
 
     def _advance_grammar(self, gen: Generation, token: int) -> bool:
         """Moves the request's grammar past its token; False (and the request failed) when the grammar refused the
@@ -388,6 +418,15 @@ class Engine:
 
     def _is_stop_token(self, gen: Generation, token: int) -> bool:
         return token in gen.params.stop_token_ids or (not gen.params.ignore_eos and token in self.eos_token_ids)
+
+    def _stop_reason(self, gen: Generation, token: int, stopped: bool) -> int | str | None:
+        """vLLM's stop_reason of an output that just ended: the stop string found in its text, else its last token
+        when that is one of the request's stop_token_ids and not an end of sequence it obeys (vLLM checks EOS
+        first); None otherwise (EOS, a complete grammar, the length limit)."""
+        if stopped:
+            return gen.stop_matcher.matched
+        obeyed_eos = not gen.params.ignore_eos and token in self.eos_token_ids
+        return token if token in gen.params.stop_token_ids and not obeyed_eos else None
 
     def _finish_reason(self, gen: Generation, token: int) -> str | None:
         # A complete grammar takes no more tokens: its last one ends the output, as a stop string would.
@@ -422,7 +461,7 @@ class Engine:
             log.exception("on_output for %s failed", gen.request.request_id)
 
     def _finish(self, request_id: str, reason: str, emit: bool, error: str | None = None,
-                error_param: str | None = None) -> None:  # fmt: skip
+                error_param: str | None = None, stop_reason: int | str | None = None) -> None:  # fmt: skip
         gen = self.generations.pop(request_id, None)
         if gen is None:
             return
@@ -432,7 +471,8 @@ class Engine:
             self.scheduler.finish(request_id, reason)
         if emit:
             self._emit(gen, RequestOutput(request_id, [], "", None, finish_reason=reason, error=error,
-                                          error_param=error_param))  # fmt: skip
+                                          error_param=error_param, stop_reason=stop_reason, queued_at=gen.queued_at,
+                                          scheduled_at=gen.scheduled_at))  # fmt: skip
 
     # ---- running ---------------------------------------------------------------------------------------
     def has_work(self) -> bool:

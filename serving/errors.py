@@ -41,6 +41,11 @@ SHAPES = {
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """(message, param) for pydantic's errors of one request body: the first error, said for a person."""
+    errors = [_without_union_member(error) for error in errors]
+    missing = [error["loc"][-1] for error in errors if error.get("type") == "missing" and error.get("loc")]
+    if len(missing) > 1 and len(missing) == len(errors) and len({tuple(error["loc"][:-1]) for error in errors}) == 1:
+        # A body that fits none of a route's forms (/tokenize: a prompt or messages): name what each one needs.
+        return f"missing required parameter: give one of {', '.join(repr(str(m)) for m in missing)}", None
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None
@@ -52,6 +57,15 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if message is not None:
         return message
     return _list_message(errors), param
+
+
+def _without_union_member(error: dict) -> dict:
+    """FastAPI puts the model's name into the location of an error against one form of a union body
+    (`body.TokenizeChatRequest.messages`): a class name is no parameter, so it goes."""
+    loc = tuple(error.get("loc", ()))
+    if len(loc) > 1 and loc[0] == "body" and isinstance(loc[1], str) and loc[1][:1].isupper():
+        return {**error, "loc": ("body", *loc[2:])}
+    return error
 
 
 def _single_message(error: dict, loc: list[str]) -> tuple[str, str | None] | None:

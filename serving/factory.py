@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 # chunk does (23.8 ms), against 6.7 ms for each 128-token prompt alone (docs/performance.md). The packed programs
 # add 9 step programs to the defaults' 37.
 DEFAULT_PREFILL_CHUNKS = 8
+# Prompt logprobs are on by default, as vLLM serves them without a flag and evaluation harnesses ask for them
+# (echo with logprobs): 64 is three programs (chunks 16, 32, 64) in the set built before serving, and a 4B chunk of
+# 64 took 7.1 ms against 5.0 ms for the plain prefill step (docs/performance.md, run L).
+DEFAULT_PROMPT_LOGPROBS_CHUNK = 64
 DEFAULT_COMPILE_CACHE = Path(os.environ.get("QWEN35_JAX_COMPILE_CACHE", Path.home() / ".cache" / "qwen35_jax" / "xla"))
 
 
@@ -51,8 +55,8 @@ class EngineConfig:
     num_top_logprobs: int = 20
     # The largest chunk of a prompt-logprobs step (echo with logprobs, prompt_logprobs), whose programs make the
     # logits of every chunk position ([T, vocab] fp32 scratch: 254 MB at T = 256 and the 4B vocabulary); 0 builds
-    # none, and such requests get a 400.
-    prompt_logprobs_chunk: int = 0
+    # none, and such requests get a 400. None: DEFAULT_PROMPT_LOGPROBS_CHUNK, or max_prefill_tokens if smaller.
+    prompt_logprobs_chunk: int | None = None
     # Every request's tokens and logprobs independent of what shares its steps (`Buckets.for_limits`,
     # `SchedulerConfig.batch_invariant`): decode always runs the `max_batch` program, and prompt chunks run in
     # steps of their own.
@@ -70,6 +74,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_prefill_chunks is None:
             object.__setattr__(self, "max_prefill_chunks", 1 if self.deterministic else DEFAULT_PREFILL_CHUNKS)
+        if self.prompt_logprobs_chunk is None:
+            chunk = min(DEFAULT_PROMPT_LOGPROBS_CHUNK, self.max_prefill_tokens)
+            object.__setattr__(self, "prompt_logprobs_chunk", chunk)
         if self.mamba_ssm_cache_dtype == "auto":
             object.__setattr__(self, "mamba_ssm_cache_dtype", "float32")
         whole_set_first = self.deterministic or self.decode_overlap == "stream"

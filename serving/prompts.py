@@ -151,8 +151,9 @@ class RequestPreparer:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         prompt_logprobs = self._checked_prompt_logprobs({"prompt_logprobs": request.prompt_logprobs})
         params = self.generation_params(request, len(ids), max_tokens, self.config.default_chat_max_tokens, logprobs,
-                                        prompt_logprobs=prompt_logprobs, grammar=grammar,
-                                        token_filter=token_filter)  # fmt: skip
+                                        prompt_logprobs=prompt_logprobs, grammar=grammar, token_filter=token_filter,
+                                        max_tokens_param="max_completion_tokens" if request.max_completion_tokens
+                                        else "max_tokens")  # fmt: skip
         echo = _chat_echo(request)
         choices = self._choices("chatcmpl", request, [ids], [params])
         return [dataclasses.replace(choice, output_format=output_format, prompt_logprobs=request.prompt_logprobs,
@@ -328,8 +329,8 @@ class RequestPreparer:
     def generation_params(self, request: api.SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
                           default_max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                           grammar: Grammar | None = None, token_filter: TokenFilter | None = None,
-                          ) -> GenerationParams:  # fmt: skip
-        max_tokens = self._max_tokens(num_prompt_tokens, max_tokens, default_max_tokens)
+                          max_tokens_param: str = "max_tokens") -> GenerationParams:  # fmt: skip
+        max_tokens = self._max_tokens(num_prompt_tokens, max_tokens, default_max_tokens, max_tokens_param)
         if logprobs is not None and logprobs > self.config.max_logprobs:
             raise APIError(400, f"at most {self.config.max_logprobs} logprobs per token, got {logprobs}", "logprobs")
         self.check_in_vocabulary(request.stop_token_ids or (), "stop_token_ids", "stop_token_ids")
@@ -412,14 +413,16 @@ class RequestPreparer:
             found += [alone] if spaced == alone else [alone, spaced]
         return tuple(found)
 
-    def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, default_max_tokens: int) -> int:
-        """The request's max_tokens, or the default capped by the context left; checked against the engine."""
+    def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, default_max_tokens: int,
+                    param: str = "max_tokens") -> int:  # fmt: skip
+        """The request's max_tokens (sent as `param`), or the default capped by the context left; checked against
+        the engine."""
         if max_tokens is None:
             max_tokens = min(default_max_tokens, self.config.max_model_len - num_prompt_tokens)
         try:
             self.engine.check(num_prompt_tokens, max_tokens)
         except RequestRejected as err:
-            raise APIError(400, str(err), "max_tokens", "context_length_exceeded") from None
+            raise APIError(400, str(err), param, "context_length_exceeded") from None
         return max_tokens
 
     def _sampling(self, request: api.SamplingFields) -> SamplingParams:

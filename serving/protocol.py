@@ -412,11 +412,17 @@ class PromptLogprob(BaseModel):
     decoded_token: str
 
 
+# vLLM's: the stop string or stop token id that ended the choice; null when it ended otherwise (an end of sequence,
+# the length limit).
+StopReason = int | str | None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, by token id
 
 
@@ -453,6 +459,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -474,6 +481,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None  # on the chunk that carries the finish_reason
 
 
 class ChatCompletionChunk(BaseModel):

@@ -118,7 +118,8 @@ class ResponseBuilder:
 
     def _completion_choice(self, prepared: Prepared, collected: Collected) -> dict:
         output = RequestOutput(prepared.request_id, [], "".join(collected.text), collected.logprobs,
-                               collected.last.finish_reason, prompt_logprobs=collected.prompt_logprobs)  # fmt: skip
+                               collected.last.finish_reason, prompt_logprobs=collected.prompt_logprobs,
+                               stop_reason=collected.last.stop_reason)  # fmt: skip
         choice = self._completion_text(prepared, output, collected.logprob_texts, 0, prepared.echo)
         if prepared.return_token_ids:
             choice |= {"prompt_token_ids": prepared.prompt_ids, "token_ids": collected.token_ids}
@@ -136,8 +137,10 @@ class ResponseBuilder:
                 prompt = formatter.echoed_prompt(prepared.prompt_ids, output.prompt_logprobs or [],
                                                      echo.token_texts, prepared.params.logprobs)  # fmt: skip
                 logprobs = joined(prompt, logprobs)
+        # vLLM's stop_reason is on every completions choice, streamed ones too (null until the finish).
         choice = {"index": prepared.index, "text": (echo.text if echo is not None else "") + output.text,
-                  "logprobs": logprobs, "finish_reason": output.finish_reason}  # fmt: skip
+                  "logprobs": logprobs, "finish_reason": output.finish_reason,
+                  "stop_reason": output.stop_reason}  # fmt: skip
         if prepared.prompt_logprobs is not None and output.prompt_logprobs is not None:
             choice["prompt_logprobs"] = formatter.prompt_logprobs(output.prompt_logprobs, prepared.prompt_logprobs)
         return choice
@@ -161,7 +164,8 @@ class ResponseBuilder:
         if prepared.echo is not None:
             message["content"] = prepared.echo.text + (message["content"] or "")
         choice = {"index": prepared.index, "message": message, "logprobs": logprobs,
-                  "finish_reason": _finish_reason(collected.last.finish_reason, bool(calls))}  # fmt: skip
+                  "finish_reason": _finish_reason(collected.last.finish_reason, bool(calls)),
+                  "stop_reason": collected.last.stop_reason}  # fmt: skip
         if prepared.return_token_ids:
             choice["token_ids"] = collected.token_ids
         return choice
@@ -257,7 +261,10 @@ class ResponseBuilder:
                 delta, finish_reason = self._parsed_delta(parser, output)
                 if not prepared.include_reasoning:
                     delta.pop("reasoning_content", None)
-            return {"index": prepared.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": prepared.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            if output.finish_reason is not None:  # as vLLM's chat chunks: stop_reason on the finishing one only
+                choice["stop_reason"] = output.stop_reason
+            return choice
         texts = texts_per_token(output) if with_logprobs else []
         return self._completion_text(prepared, output, texts, offset, echo)
 

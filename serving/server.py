@@ -58,7 +58,7 @@ class OpenAIServer:
 
     def __init__(self, engine, tokenizer, config: ServerConfig, metrics: ServingMetrics | None = None):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
-        self.metrics = metrics or ServingMetrics(engine)
+        self.metrics = metrics or ServingMetrics(config.served_model_name, config.max_model_len, engine)
         self.max_queue = config.max_queue  # an attribute so that it can be changed on a live server
         self.num_active = 0
         self.created = int(time.time())
@@ -111,7 +111,6 @@ class OpenAIServer:
             submission.finished = True
             submission.close()
             raise APIError(400, str(err), "max_tokens") from None
-        self.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
         submission.watch(http_request.receive)
         return submission
 

@@ -74,7 +74,7 @@ class Submission:
 
     def on_output(self, output: RequestOutput) -> None:
         """Runs on the engine thread."""
-        self.timer.record(len(output.token_ids), output.finish_reason)
+        self.timer.record(output)
         self.relay.put(self.queue, output)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:

@@ -51,6 +51,9 @@ class EngineRegistry:
     def build(self, model, compile_now: bool = True, **config):
         from qwen35_jax.serving.factory import EngineConfig, build_engine
 
+        # Prompt-logprobs programs only where a test asks for them (the serving default builds them): each engine
+        # would compile them again at its own shapes.
+        config.setdefault("prompt_logprobs_chunk", 0)
         engine = build_engine(model, EngineConfig(compile_cache=self.compile_cache, **config), compile_now)
         self.engines.append(engine)
         if compile_now:

@@ -68,10 +68,10 @@ def test_steps_pad_up_to_the_ready_set_and_match_the_exact_buckets(tiny_model, c
     monkeypatch.setattr(runner, "store", None)  # nothing more may be loaded or compiled while serving
     built = set(runner.executables)
     assert set(runner.buckets.ready_keys()) <= built < set(runner.buckets.keys())
-    gauges = {s.name: s.value for f in text_string_to_metric_families(ServingMetrics(engine).render().decode())
-              for s in f.samples}  # fmt: skip
+    text = ServingMetrics("tiny", LIMITS["max_model_len"], engine).render().decode()
+    gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert gauges["qwen35_jax_programs_built"] < gauges["qwen35_jax_programs_total"] == len(
-        runner.buckets.keys()) + len(runner.buckets.row_programs())  # fmt: skip
+        runner.buckets.keys()) + len(runner.buckets.row_programs()) + len(runner.buckets.prompt_logprobs_chunk)  # fmt: skip
     keys = launched_keys(runner, monkeypatch)
     results = generate(engine, workload())
     assert set(runner.executables) == built, "a step compiled a program while serving"
@@ -97,6 +97,15 @@ def test_a_stopped_build_builds_nothing_more(tiny_model):
     stop.set()
     engine.runner.compile_all(stop=stop)
     assert engine.runner.num_compiles == 0 and engine.runner.num_row_compiles == 0
+
+
+def test_prompt_logprobs_are_on_by_default_within_the_prefill_budget():
+    """vLLM serves prompt logprobs without a flag: 64-token chunks by default, fewer when a step prefills fewer."""
+    assert EngineConfig().prompt_logprobs_chunk == 64
+    assert EngineConfig(max_prefill_tokens=32).prompt_logprobs_chunk == 32
+    assert EngineConfig(prompt_logprobs_chunk=0).prompt_logprobs_chunk == 0
+    with pytest.raises(ValueError, match="--prompt-logprobs-chunk"):
+        EngineConfig(max_prefill_tokens=32, prompt_logprobs_chunk=64)
 
 
 def test_the_flags_that_build_everything_first():

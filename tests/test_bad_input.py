@@ -249,6 +249,16 @@ def test_errors_name_the_param(idle_server, http):
         assert error["param"] == param, error
 
 
+def test_errors_name_the_param_the_client_sent(idle_server, http):
+    """The chat's newer max_completion_tokens is named as sent; a /tokenize body of neither form names both forms'
+    parameters (not the server's class names)."""
+    error = send(http, idle_server, "POST", CHAT, chat(max_completion_tokens=10**6), {}).json()["error"]
+    assert error["param"] == "max_completion_tokens" and error["code"] == "context_length_exceeded", error
+    error = send(http, idle_server, "POST", "/tokenize", {"model": MODEL}, {}).json()["error"]
+    assert "'prompt'" in error["message"] and "'messages'" in error["message"], error
+    assert "Request" not in error["message"] and error["param"] is None, error
+
+
 def test_prompt_over_max_model_len_gives_both_numbers(idle_server, http):
     response = send(http, idle_server, "POST", COMPLETIONS, completion(prompt=[7] * 200), {})
     message = response.json()["error"]["message"]

@@ -156,4 +156,6 @@ def test_offline_bench_decode_only_on_a_device_without_limits(tmp_path):
     (decode,) = data["decode"]
     assert decode["batch"] == 1 and decode["steps_measured"] == 4 and decode["tpot_ms"] > 0
     assert decode["floor_ms"] is None and decode["roofline_fraction"] is None
-    assert 0 < decode["host_own_ms"] <= decode["host_launch_ms"] + decode["host_fetch_and_process_ms"]
+    # Each figure is a median over the steps; a step's own time without the copies' wait is at most the same
+    # step's with it, so the medians keep that order.
+    assert 0 < decode["host_own_ms"] <= decode["host_own_with_transfer_ms"]

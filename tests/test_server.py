@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -550,6 +551,96 @@ def test_metrics_show_a_running_request(idle_server):
     assert during[("qwen35_jax_kv_cache_usage_ratio", ())] > 0
     assert during[("qwen35_jax_slot_usage_ratio", ())] > 0
     assert during[("qwen35_jax_http_requests_active", ())] == 1
+    assert during[vllm_key(idle_server, "vllm:num_requests_running")] == 1
+    assert during[vllm_key(idle_server, "vllm:num_requests_waiting")] == 0
+    kv_usage = during[vllm_key(idle_server, "vllm:kv_cache_usage_perc")]
+    assert 0 < kv_usage <= 1 and kv_usage == during[("qwen35_jax_kv_cache_usage_ratio", ())]
+
+
+# vLLM's metric families (vllm/v1/metrics/loggers.py) by type, as its dashboards and its tests read them. The text
+# parser names a counter's family without `_total`.
+VLLM_FAMILIES = {
+    "gauge": ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"],
+    "counter": ["vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success"],
+    "histogram": ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                  "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                  "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                  "vllm:request_inference_time_seconds", "vllm:request_time_per_output_token_seconds",
+                  "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:iteration_tokens_total"],
+}  # fmt: skip
+
+
+def vllm_key(server, name: str, **labels) -> tuple[str, tuple]:
+    """A `scrape` key of a vLLM sample: labelled with the served model's name and engine 0, as vLLM labels them."""
+    labels |= {"model_name": server.model_name, "engine": "0"}
+    return name, tuple(sorted(labels.items()))
+
+
+def test_vllm_metric_families_have_vllms_types_and_labels(idle_server):
+    greedy(idle_server.client(), prompt=PROMPT_IDS, max_tokens=3)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{idle_server.root}/metrics").text)}
+    for kind, names in VLLM_FAMILIES.items():
+        for name in names:
+            assert name in families and families[name].type == kind, name
+            for sample in families[name].samples:
+                assert sample.labels["model_name"] == idle_server.model_name and sample.labels["engine"] == "0"
+    reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
+    assert reasons == {"stop", "length", "abort", "error"}
+    # Token counts in vLLM's 1-2-5 buckets up to the context length (128 here).
+    bounds = [s.labels["le"] for s in families["vllm:request_prompt_tokens"].samples if s.name.endswith("_bucket")]
+    assert bounds == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+    assert families["vllm:num_preemptions"].samples[0].value == 0  # admission reserves every page: no preemption
+
+
+def scrape_until(server, settled, deadline_s: float = 10.0) -> dict[tuple[str, tuple], float]:
+    """Scrapes until `settled(samples)` holds or the deadline passes. The engine thread counts a step's iteration
+    tokens just after it has delivered the step's outputs, so a scrape right after the last answer can precede it."""
+    end = time.monotonic() + deadline_s
+    while not settled(samples := scrape(server)) and time.monotonic() < end:
+        time.sleep(0.02)
+    return samples
+
+
+def test_vllm_metrics_count_what_the_answers_report(idle_server):
+    """Token counters and per-request histograms move by what the answers' usage and finish reasons say."""
+    client, before = idle_server.client(), scrape(idle_server)
+    answers = [
+        greedy(client, prompt=PROMPT_IDS, max_tokens=5, extra_body={"ignore_eos": True}),  # length
+        greedy(client, prompt=PROMPT_IDS[:3], max_tokens=5, logit_bias={"300": 100},
+               extra_body={"stop_token_ids": [300]}),  # stop, at the first token
+        client.chat.completions.create(model=idle_server.model_name, messages=MESSAGES, max_tokens=6, temperature=0),
+    ]  # fmt: skip
+    chunks = list(greedy(client, prompt=PROMPT_IDS, max_tokens=4, stream=True,
+                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))  # fmt: skip
+    usages = [a.usage for a in answers] + [chunks[-1].usage]
+    finishes = [a.choices[0].finish_reason for a in answers] + ["length"]
+    prompt = sum(u.prompt_tokens for u in usages)
+    generated = sum(u.completion_tokens for u in usages)
+
+    def moved(samples, name, **labels):
+        key = vllm_key(idle_server, name, **labels)
+        return samples.get(key, 0) - before.get(key, 0)
+
+    after = scrape_until(idle_server, lambda s: moved(s, "vllm:iteration_tokens_total_sum") == prompt + generated)
+    assert moved(after, "vllm:prompt_tokens_total") == prompt
+    assert moved(after, "vllm:generation_tokens_total") == generated
+    for reason in ("stop", "length", "abort", "error"):
+        assert moved(after, "vllm:request_success_total", finished_reason=reason) == finishes.count(reason), reason
+    assert moved(after, "vllm:request_prompt_tokens_sum") == prompt
+    assert moved(after, "vllm:request_generation_tokens_sum") == generated
+    for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:time_to_first_token_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                 "vllm:request_inference_time_seconds", "vllm:request_time_per_output_token_seconds"):  # fmt: skip
+        assert moved(after, f"{name}_count") == len(usages), name
+    assert moved(after, "vllm:inter_token_latency_seconds_count") == generated - len(usages)
+    # One step at a time here: the prefill step, then a decode step per further token.
+    assert moved(after, "vllm:iteration_tokens_total_sum") == prompt + generated
+    assert moved(after, "vllm:iteration_tokens_total_count") == generated
+    # The same observations feed this server's own names.
+    own = {name: after[(name, ())] - before.get((name, ()), 0)
+           for name in ("qwen35_jax_prompt_tokens_total", "qwen35_jax_generation_tokens_total")}  # fmt: skip
+    assert own == {"qwen35_jax_prompt_tokens_total": prompt, "qwen35_jax_generation_tokens_total": generated}
 
 
 # ---- the queue limit and disconnects -------------------------------------------------------------------
@@ -801,7 +892,7 @@ def _gate_call(app) -> list[dict]:
         return {"type": "http.request", "body": b"{}", "more_body": False}
 
     sent = _Collected()
-    gate = Gate(app, ServerConfig("m", 64, 100), ServingMetrics())
+    gate = Gate(app, ServerConfig("m", 64, 100), ServingMetrics("m", 64))
     scope = {"type": "http", "path": "/v1/completions", "headers": [(b"content-length", b"2")]}
     asyncio.run(gate(scope, receive, sent))
     return sent.messages

@@ -1,7 +1,7 @@
 """vLLM's request parameters beyond OpenAI's, on the live tiny server through the official `openai` client
 (`extra_body`): allowed_token_ids, bad_words, return_token_ids, return_tokens_as_token_ids, chat's echo and
 prompt_logprobs, request_id, reasoning_effort, documents, and the parameters taken at their neutral values only;
-OpenAI's bookkeeping fields; the /ping route."""
+vLLM's stop_reason on the choices; OpenAI's bookkeeping fields; the /ping route."""
 
 from __future__ import annotations
 
@@ -221,6 +221,54 @@ def test_openai_bookkeeping_fields_are_taken(idle_server):
                   extra_body={"prompt_cache_key": "k", "safety_identifier": "u1", "cache_salt": "salt",
                               "spaces_between_special_tokens": False, "priority": 0, "documents": [{"text": "x"}]})  # fmt: skip
     assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+# ---- stop_reason -------------------------------------------------------------------------------------------------
+
+
+def finishes(server, chat: bool = False, **fields) -> list[tuple[str, int | str | None]]:
+    """(finish_reason, stop_reason) of one request answered whole, then streamed (its finishing chunk's). As in
+    vLLM, every streamed completions chunk carries stop_reason (null before the finish), and of a streamed chat
+    answer's chunks only the finishing one does."""
+    client = server.client()
+    create = client.chat.completions.create if chat else client.completions.create
+    prompt = {"messages": MESSAGES} if chat else {"prompt": PROMPT_IDS}
+    fields = {"model": server.model_name, "temperature": 0.0, "max_tokens": 8} | prompt | fields
+    whole = create(**fields).choices[0]
+    *before, last = [chunk.choices[0] for chunk in create(**fields, stream=True) if chunk.choices]
+    if chat:
+        assert not any("stop_reason" in choice.model_extra for choice in before)
+    else:
+        assert all(choice.model_extra["stop_reason"] is None for choice in before)
+    return [(choice.finish_reason, choice.model_extra["stop_reason"]) for choice in (whole, last)]
+
+
+def test_stop_reason_is_the_stop_string_that_ended_the_answer(idle_server):
+    full = greedy(idle_server, max_tokens=24).choices[0].text
+    stop = next(s for s in (full[i : i + 2] for i in range(2, len(full) - 2)) if "\ufffd" not in s and s.strip())
+    absent = "no such stop string"
+    assert absent not in full
+    for extra in ({"ignore_eos": True}, {"ignore_eos": True, "include_stop_str_in_output": True}):
+        assert finishes(idle_server, max_tokens=24, stop=[absent, stop], extra_body=extra) == [("stop", stop)] * 2
+    # On chat, a token forced by logit_bias whose text is the stop string.
+    word = idle_server.model.tokenizer.decode([300])
+    assert finishes(idle_server, chat=True, logit_bias={"300": 100}, stop=[absent, word]) == [("stop", word)] * 2
+
+
+def test_stop_reason_is_the_stop_token_id(idle_server):
+    for chat in (False, True):
+        answers = finishes(idle_server, chat=chat, logit_bias={"300": 100}, extra_body={"stop_token_ids": [301, 300]})
+        assert answers == [("stop", 300)] * 2, chat
+        assert all(type(stop_reason) is int for _, stop_reason in answers)
+
+
+def test_stop_reason_is_null_at_the_length_limit_and_at_the_end_of_sequence(idle_server):
+    eos = idle_server.model.tokenizer.eos_token_id
+    for chat in (False, True):
+        assert finishes(idle_server, chat=chat, max_tokens=3, extra_body={"ignore_eos": True}) == [("length", None)] * 2
+        # The end of sequence is no stop token id even when listed as one: vLLM checks it first.
+        ended = finishes(idle_server, chat=chat, logit_bias={str(eos): 100}, extra_body={"stop_token_ids": [eos]})
+        assert ended == [("stop", None)] * 2, chat
 
 
 def test_ping(idle_server):
