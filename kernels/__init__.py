@@ -26,7 +26,7 @@ from qwen35_jax.kernels.conv1d import (
     causal_conv1d_update_pool_ref,
 )
 from qwen35_jax.kernels.decode_attention import paged_decode_attention_pallas, paged_decode_attention_ref
-from qwen35_jax.kernels.gdn_decode import gdn_decode_pool_packed_pallas, gdn_decode_pool_packed_ref
+from qwen35_jax.kernels.gdn_decode import gdn_decode_pool_gated_pallas, gdn_decode_pool_gated_ref
 from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_packed_pallas, gdn_chunked_prefill_packed_ref
 from qwen35_jax.kernels.linear import linear_pallas, linear_parts_pallas, linear_parts_ref, linear_ref
 from qwen35_jax.kernels.residual_norm import residual_norm_pallas, residual_norm_ref
@@ -40,8 +40,9 @@ class Mixers(NamedTuple):
     name: str
     gdn_prefill: object  # (qkv, g, beta, state, lengths) -> (out, state): chunked, ragged prefill rows; qkv is the
     # conv's output, q, k and v side by side
-    gdn_decode: object  # (qkv, g, beta, pool, layer, slots) -> (out, pool): one token, state in the pool; qkv is
-    # the conv's output, q, k and v side by side
+    gdn_decode: object  # (qkv, ba, ba_col, A_log, dt_bias, pool, layer, slots) -> (out, pool): one token, state in
+    # the pool; qkv is the conv's output, q, k and v side by side; the gates come from the in_proj's b and a columns
+    # of ba (from column ba_col) and the layer's A_log and dt_bias
     conv_prefill: object  # (x, weight, conv_state, lengths) -> (out, conv_state)
     conv_update: object  # (x, weight, pool, layer, slots) -> (out, pool): one token, conv state in the pool
     decode_attention: object  # (q, k_pages, v_pages, layer, page_table, lengths) -> out
@@ -52,12 +53,12 @@ class Mixers(NamedTuple):
 
 
 REF = Mixers(
-    "ref", gdn_chunked_prefill_packed_ref, gdn_decode_pool_packed_ref, causal_conv1d_prefill_ref, causal_conv1d_update_pool_ref,
+    "ref", gdn_chunked_prefill_packed_ref, gdn_decode_pool_gated_ref, causal_conv1d_prefill_ref, causal_conv1d_update_pool_ref,
     paged_decode_attention_ref, prefill_attention_ref, linear_ref, linear_parts_ref, residual_norm_ref,
 )  # fmt: skip
 
 _PALLAS = (
-    gdn_chunked_prefill_packed_pallas, gdn_decode_pool_packed_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pool_pallas,
+    gdn_chunked_prefill_packed_pallas, gdn_decode_pool_gated_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pool_pallas,
     paged_decode_attention_pallas, prefill_attention_pallas, linear_pallas, linear_parts_pallas, residual_norm_pallas,
 )  # fmt: skip
 # Each kernel is wrapped in its own jax.jit: a step calls the same kernel at the same shapes in many layers
@@ -65,7 +66,8 @@ _PALLAS = (
 # site, where a bare pallas_call is lowered to Triton again at every site (0.3-0.6 s against 1.0-4.0 s to lower a
 # 4B step). XLA inlines the calls, so the compiled program is the same. Built once: jit keys compiled programs on
 # the Mixers value, so these must be the same objects every time.
-_STATIC = {residual_norm_pallas: ("eps",)}  # arguments that are Python constants of the model
+# Arguments that are Python constants of the model.
+_STATIC = {residual_norm_pallas: ("eps",), gdn_decode_pool_gated_pallas: ("ba_col",)}
 PALLAS = Mixers("pallas", *(jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS))
 PALLAS_INTERPRET = Mixers(
     "pallas-interpret",

@@ -18,6 +18,11 @@ Returns o [B, nv, dv] in v's dtype and the pool with rows (layer, slots[b]) repl
 row, the trash slot's included, is left as it was (the kernel never touches it: bit-identical). `gdn_decode_ref` is the same step on gathered
 states [B, nv, dk, dv] (the pool reference and the prefill tests' token-by-token oracle).
 
+The engine calls the gated form (`gdn_decode_pool_gated_*`): the same step, each program making its row's and head's
+gates g and beta (`gdn_gates`) from the in_proj's b and a columns, read where the product wrote them, and the
+layer's A_log and dt_bias. XLA ran two small kernels a GDN layer for the gates otherwise: the 4B batch-1 step has 424
+commands with the gates in the kernel against 472 (`tools/deviceless_step.py --key 1,0,0`).
+
 Why in the pool: reading and writing the step's rows where they live, the states cross HBM once a step (read +
 write) instead of three times (gather, kernel, scatter). The Pallas kernel aliases the pool input to the pool
 output, so under jit with the pool donated (or carried in a loop) the update happens in place and no copy of the
@@ -85,17 +90,27 @@ def gdn_decode_ref(q, k, v, g, beta, state):
     return out.astype(v.dtype), state
 
 
+def gdn_gates(a, b, a_log, dt_bias):
+    """The GDN's decay and write strength from its in_proj columns a and b: g = -exp(A_log) softplus(a + dt_bias)
+    (fp32) and beta = sigmoid(b) (b's dtype), as HF's Qwen3.5 computes them. Written with exp and log1p alone, so
+    that the decode kernel makes them from the same code (elementwise; any shapes that broadcast)."""
+    x = a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    softplus = jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+    beta = 1.0 / (1.0 + jnp.exp(-b.astype(jnp.float32)))
+    return -jnp.exp(a_log.astype(jnp.float32)) * softplus, beta.astype(b.dtype)
+
+
 def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x) + EPS)
 
 
-def _step(q_ref, k_ref, v_ref, g_ref, beta_ref, state):
-    """The fused step on one state tile: q_ref, k_ref [dk]; v_ref [block]; g_ref, beta_ref []; state [dk, block]
+def _step(q_ref, k_ref, v_ref, g, beta, state):
+    """The fused step on one state tile: q_ref, k_ref [dk]; v_ref [block]; g, beta fp32 scalars; state [dk, block]
     fp32 -> (o [block] fp32, new state tile)."""
     q = _l2norm(q_ref[...].astype(jnp.float32)) * (q_ref.shape[0] ** -0.5)
     k = _l2norm(k_ref[...].astype(jnp.float32))
-    state = state * jnp.exp(g_ref[...])
-    u = beta_ref[...].astype(jnp.float32) * (v_ref[...].astype(jnp.float32) - jnp.sum(state * k[:, None], axis=0))
+    state = state * jnp.exp(g)
+    u = beta * (v_ref[...].astype(jnp.float32) - jnp.sum(state * k[:, None], axis=0))
     state = state + k[:, None] * u[None, :]
     return jnp.sum(state * q[:, None], axis=0), state
 
@@ -132,10 +147,9 @@ def gdn_decode_pool_ref(q, k, v, g, beta, pool, layer, slots, trash_slot="last")
     return o, pool.at[layer, slots].set(jnp.where(padding[:, None, None, None], rows, state.astype(pool.dtype)))
 
 
-def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, new_pool_ref, *,
-                        trash: int):  # fmt: skip
-    """layer_ref [1], slots_ref [B] int32; q_ref, k_ref [dk]; v_ref, o_ref [block_dv]; g_ref, beta_ref []; pool_ref,
-    new_pool_ref the whole [L, S, nv, dk, dv] pool (one buffer on the GPU, aliased)."""
+def _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta, pool_ref, o_ref, new_pool_ref, trash: int):
+    """layer_ref [1], slots_ref [B] int32; q_ref, k_ref [dk]; v_ref, o_ref [block_dv]; g, beta fp32 scalars;
+    pool_ref, new_pool_ref the whole [L, S, nv, dk, dv] pool (one buffer on the GPU, aliased)."""
     row, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_dv = o_ref.shape[0]
     # This program's tile pool[layer, slots[row], head, :, block]. Scalar indices into the pl.ANY ref: the
@@ -148,13 +162,29 @@ def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_r
     @pl.when(jnp.logical_not(padding))
     def _():
         tile = (layer_ref[0], slot, head, slice(None), pl.ds(block * block_dv, block_dv))
-        o, state = _step(q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref[tile].astype(jnp.float32))
+        o, state = _step(q_ref, k_ref, v_ref, g, beta, pool_ref[tile].astype(jnp.float32))
         new_pool_ref[tile] = state.astype(new_pool_ref.dtype)
         o_ref[...] = o.astype(o_ref.dtype)
 
     @pl.when(padding)
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, new_pool_ref, *,
+                        trash: int):  # fmt: skip
+    """g_ref, beta_ref []: the row's and head's gates, given."""
+    g, beta = g_ref[...], beta_ref[...].astype(jnp.float32)
+    _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta, pool_ref, o_ref, new_pool_ref, trash)
+
+
+def _gated_pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, b_ref, a_ref, a_log_ref, dt_bias_ref,
+                              pool_ref, o_ref, new_pool_ref, *, trash: int):  # fmt: skip
+    """b_ref, a_ref []: the row's in_proj b and a of this head; a_log_ref, dt_bias_ref []: the head's parameters.
+    The gates are made here (`gdn_gates`), so they cost no kernels of their own."""
+    g, beta = gdn_gates(a_ref[...], b_ref[...], a_log_ref[...], dt_bias_ref[...])
+    _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta.astype(jnp.float32), pool_ref, o_ref,
+                 new_pool_ref, trash)  # fmt: skip
 
 
 def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, trash_slot="last", *, interpret=False,
@@ -164,28 +194,31 @@ def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, trash_slot="las
     _, num_value_heads, dv = v.shape
     assert pool.dtype in POOL_DTYPES and pool.shape[2:] == (num_value_heads, q.shape[-1], dv), (pool.shape, pool.dtype)
     grid, (key_spec, value_spec, head_spec) = _tiling(q, v, tuning.block_dv)
-    return _pool_call(q, k, v, g, beta, pool, layer, slots, trash_slot, grid, (key_spec, key_spec, value_spec),
-                      value_spec, head_spec, tuning, interpret)  # fmt: skip
+    return _pool_call(q, k, v, (g.astype(jnp.float32), beta), pool, layer, slots, trash_slot, grid,
+                      (key_spec, key_spec, value_spec), value_spec, (head_spec, head_spec), tuning, interpret)  # fmt: skip
 
 
-def _pool_call(q, k, v, g, beta, pool, layer, slots, trash_slot, grid, qkv_specs, out_spec, head_spec, tuning,
-               interpret):  # fmt: skip
-    """The kernel's pallas_call; q, k, v may be one array under three BlockSpecs (`gdn_decode_pool_packed_pallas`)."""
+def _pool_call(q, k, v, heads, pool, layer, slots, trash_slot, grid, qkv_specs, out_spec, head_specs, tuning,
+               interpret, kernel=_pool_decode_kernel):  # fmt: skip
+    """The kernel's pallas_call; q, k, v may be one array under three BlockSpecs (`gdn_decode_pool_packed_pallas`).
+    heads: the per-(row, head) inputs under `head_specs` (g and beta, or `_gated_pool_decode_kernel`'s b, a, A_log
+    and dt_bias)."""
     whole = pl.BlockSpec(memory_space=pl.ANY)  # no blocking: the kernel computes its pool tile from slots
-    batch, num_value_heads = g.shape
+    batch, num_value_heads = slots.shape[0], pool.shape[2]
     return pl.pallas_call(
-        functools.partial(_pool_decode_kernel, trash=_trash(pool, trash_slot)),
+        functools.partial(kernel, trash=_trash(pool, trash_slot)),
         grid=grid,
-        in_specs=[whole, whole, *qkv_specs, head_spec, head_spec, whole],
+        in_specs=[whole, whole, *qkv_specs, *head_specs, whole],
         out_specs=[out_spec, whole],
-        out_shape=[jax.ShapeDtypeStruct((batch, num_value_heads, pool.shape[-1]), v.dtype),
-                   jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
-        input_output_aliases={7: 1},  # pool in -> pool out: only the step's rows are written
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_value_heads, pool.shape[-1]), v.dtype),
+            jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        ],
+        input_output_aliases={5 + len(heads): 1},  # pool in -> pool out: only the step's rows are written
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=1),
         interpret=interpret,
         name="gdn_decode_pool",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(slots, jnp.int32), q, k, v, g.astype(jnp.float32), beta,
-      pool)  # fmt: skip
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(slots, jnp.int32), q, k, v, *heads, pool)
 
 
 def split_packed(qkv, pool):
@@ -209,14 +242,53 @@ def gdn_decode_pool_packed_pallas(qkv, g, beta, pool, layer, slots, trash_slot="
     if dk != dv:
         return gdn_decode_pool_pallas(*split_packed(qkv, pool), g, beta, pool, layer, slots, trash_slot,
                                       interpret=interpret, tuning=tuning)  # fmt: skip
+    rows, grid, qkv_specs, value_spec, head_spec = _packed_tiling(qkv, pool, tuning)
+    return _pool_call(rows, rows, rows, (g.astype(jnp.float32), beta), pool, layer, slots, trash_slot, grid,
+                      qkv_specs, value_spec, (head_spec, head_spec), tuning, interpret)  # fmt: skip
+
+
+def _packed_tiling(qkv, pool, tuning: GdnDecodeTuning):
+    """(qkv viewed as [B, heads, d] rows, grid, q / k / v BlockSpecs into the rows, the output's and a per-head
+    input's BlockSpecs) of the packed kernels (dk = dv)."""
+    num_value_heads, dk, dv = pool.shape[2:]
     batch, key_heads = qkv.shape[0], (qkv.shape[-1] - num_value_heads * dv) // (2 * dk)
     q_shape = jax.ShapeDtypeStruct((batch, key_heads, dk), qkv.dtype)  # shapes only, for the tiling
     grid, (_, value_spec, head_spec) = _tiling(q_shape, jax.ShapeDtypeStruct((batch, num_value_heads, dv), qkv.dtype),
                                                tuning.block_dv)  # fmt: skip
     ratio, block_dv = num_value_heads // key_heads, value_spec.block_shape[-1]
-    rows = qkv.reshape(batch, -1, dk)
     q_spec = pl.BlockSpec((None, None, dk), lambda b, h, j: (b, h // ratio, 0))
     k_spec = pl.BlockSpec((None, None, dk), lambda b, h, j: (b, key_heads + h // ratio, 0))
     v_spec = pl.BlockSpec((None, None, block_dv), lambda b, h, j: (b, 2 * key_heads + h, j))
-    return _pool_call(rows, rows, rows, g, beta, pool, layer, slots, trash_slot, grid, (q_spec, k_spec, v_spec),
-                      value_spec, head_spec, tuning, interpret)  # fmt: skip
+    return qkv.reshape(batch, -1, dk), grid, (q_spec, k_spec, v_spec), value_spec, head_spec
+
+
+def _gate_columns(ba, ba_col: int, num_value_heads: int):
+    """(a, b) [B, nv]: the in_proj's b at columns [ba_col, ba_col + nv) of ba, a right after it."""
+    return ba[:, ba_col + num_value_heads : ba_col + 2 * num_value_heads], ba[:, ba_col : ba_col + num_value_heads]
+
+
+def gdn_decode_pool_gated_ref(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last"):
+    """`gdn_decode_pool_packed_ref` with its gates made from the in_proj's output: b at columns [ba_col, ba_col +
+    nv) of ba [B, W], a at [ba_col + nv, ba_col + 2 nv), and the layer's A_log and dt_bias [nv] (`gdn_gates`)."""
+    g, beta = gdn_gates(*_gate_columns(ba, ba_col, pool.shape[2]), a_log, dt_bias)
+    return gdn_decode_pool_packed_ref(qkv, g, beta, pool, layer, slots, trash_slot)
+
+
+def gdn_decode_pool_gated_pallas(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last", *,
+                                 interpret=False, tuning: GdnDecodeTuning = GDN_DECODE_TUNING):  # fmt: skip
+    """`gdn_decode_pool_gated_ref` in one kernel: each program reads its row's b and a where the in_proj wrote them
+    (a BlockSpec at column ba_col + head; a slice handed over would be copied first) and makes the gates itself,
+    where XLA ran two small kernels a GDN layer for them (48 of a 4B batch-1 step's 472, `tools/deviceless_step.py`).
+    Head dims that differ take the gates from XLA and the unpacked kernel."""
+    num_value_heads, dk, dv = pool.shape[2:]
+    if dk != dv:
+        g, beta = gdn_gates(*_gate_columns(ba, ba_col, num_value_heads), a_log, dt_bias)
+        return gdn_decode_pool_packed_pallas(qkv, g, beta, pool, layer, slots, trash_slot, interpret=interpret,
+                                             tuning=tuning)  # fmt: skip
+    rows, grid, qkv_specs, value_spec, _ = _packed_tiling(qkv, pool, tuning)
+    b_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, ba_col + h))
+    a_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, ba_col + num_value_heads + h))
+    parameter_spec = pl.BlockSpec((None,), lambda b, h, j: (h,))
+    return _pool_call(rows, rows, rows, (ba, ba, a_log, dt_bias), pool, layer, slots, trash_slot, grid, qkv_specs,
+                      value_spec, (b_spec, a_spec, parameter_spec, parameter_spec), tuning, interpret,
+                      kernel=_gated_pool_decode_kernel)  # fmt: skip

@@ -29,6 +29,7 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
+from qwen35_jax.kernels.gdn_decode import gdn_gates
 from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref
 from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
 
@@ -196,26 +197,29 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(cfg.gdn_value_dim, cfg.hidden_size, dtype)
 
     def _in_projections(self, x, linear):
-        """(the product whose first conv_dim columns are the conv's input, z, b, a). The conv kernels read their
-        columns where the product wrote them: a slice handed to them would be copied first (12 us a layer at
-        1024 tokens on the H200). Over more than FUSED_QKV_MAX_ROWS rows the conv input and z, whose width tiles
-        well, are one product and b and a another; up to it, all four are one."""
+        """(the product whose first conv_dim columns are the conv's input, z, the array holding b and then a, the
+        column b starts at). The conv and GDN decode kernels read their columns where the product wrote them: a
+        slice handed to them would be copied first (12 us a layer at 1024 tokens on the H200). Over more than
+        FUSED_QKV_MAX_ROWS rows the conv input and z, whose width tiles well, are one product and b and a another;
+        up to it, all four are one."""
         cfg = self.cfg
-        weight, nv = self.in_proj.weight[...], cfg.linear_num_value_heads
+        weight = self.in_proj.weight[...]
         qkvz = cfg.conv_dim + cfg.gdn_value_dim
         if math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
-            product, ba = linear(x, weight[:qkvz]), linear(x, weight[qkvz:])
+            product, ba, ba_col = linear(x, weight[:qkvz]), linear(x, weight[qkvz:]), 0
         else:
-            product = linear(x, weight)
-            ba = product[..., qkvz:]
-        return product, product[..., cfg.conv_dim : qkvz], ba[..., :nv], ba[..., nv:]
+            product = ba = linear(x, weight)
+            ba_col = qkvz
+        return product, product[..., cfg.conv_dim : qkvz], ba, ba_col
 
-    def _decode(self, ctx, mixed, g, beta, pools, layer):
+    def _decode(self, ctx, mixed, ba, ba_col: int, pools, layer):
         """The decode rows' conv and recurrent states are updated where they live, in the slot pools: one read
-        and one write of each (gathering them into the step and scattering them back took three)."""
+        and one write of each (gathering them into the step and scattering them back took three). The GDN kernel
+        makes the gates from b and a itself."""
         slots, weight = ctx.inputs.decode.slots, self.conv1d.weight[...][:, 0, :]
         mixed, conv_pool = ctx.mixers.conv_update(mixed, weight, pools.conv, layer, slots)
-        out, ssm_pool = ctx.mixers.gdn_decode(mixed, g, beta, pools.ssm, layer, slots)
+        out, ssm_pool = ctx.mixers.gdn_decode(mixed, ba, ba_col, self.A_log[...], self.dt_bias[...], pools.ssm, layer,
+                                              slots)  # fmt: skip
         return out, dataclasses.replace(pools, ssm=ssm_pool, conv=conv_pool)
 
     def _prefill(self, ctx, mixed, g, beta, state: GdnState):
@@ -228,17 +232,17 @@ class GatedDeltaNet(nnx.Module):
         """x [N, hidden]; state: this layer's prefill rows' states (None in a step without prefill rows); the decode
         rows' states are GDN layer `layer` of pools.ssm and pools.conv. Returns (out_proj's output as partial sums,
         new state, pools)."""
-        mixed, z, b, a = self._in_projections(x, ctx.mixers.linear)
-        beta = jax.nn.sigmoid(b)
-        a = a.astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
-        (mixed_d, mixed_p), (g_d, g_p), (beta_d, beta_p) = ctx.split(mixed), ctx.split(g), ctx.split(beta)
+        mixed, z, ba, ba_col = self._in_projections(x, ctx.mixers.linear)
+        (mixed_d, mixed_p), (ba_d, ba_p) = ctx.split(mixed), ctx.split(ba)
         outs = []
         if mixed_d is not None:
-            out, pools = self._decode(ctx, mixed_d, g_d, beta_d, pools, layer)
+            out, pools = self._decode(ctx, mixed_d, ba_d, ba_col, pools, layer)
             outs.append(out.reshape(-1, *out.shape[-2:]))
         if mixed_p is not None:
-            out, state = self._prefill(ctx, mixed_p, g_p, beta_p, state)
+            nv = self.cfg.linear_num_value_heads
+            b, a = ba_p[..., ba_col : ba_col + nv], ba_p[..., ba_col + nv : ba_col + 2 * nv]
+            g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
+            out, state = self._prefill(ctx, mixed_p, g, beta, state)
             outs.append(out.reshape(-1, *out.shape[-2:]))
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv, dv]
         out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)

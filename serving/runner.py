@@ -562,11 +562,12 @@ class Runner:
         return self._build("step", key)
 
     def prompt_program(self, t: int) -> object:
-        """The compiled prompt-logprobs step of chunk bucket t (compiled now if it was not: a test asserts that
-        serving never does)."""
+        """The compiled prompt-logprobs step of chunk bucket t, compiled now if it was not: only while the background
+        build has not reached it yet (the tests assert that an engine built ahead never does)."""
         return self.prompt_executables.get(t) or self._build("prompt", t)
 
-    def compile_all(self, progress=None, workers: int | None = None, keys=None, rows=None, stop=None) -> float:
+    def compile_all(self, progress=None, workers: int | None = None, keys=None, rows=None, stop=None,
+                    prompts=None) -> float:  # fmt: skip
         """Builds every bucket not built yet (or those of `keys`), and every row program and prompt-logprobs
         program, and returns the wall seconds it took. Programs in the store are loaded first, in `workers`
         threads (on the H200, 16 4B step programs loaded in 12.7 s one after another, 2.7 s in 8 threads). The
@@ -574,11 +575,13 @@ class Runner:
         release it, run in the threads, so start-up scales with the host's cores instead of the bucket count.
         progress(total), if given, returns a bar (`update(n)`, `close()`) advanced as each program is ready,
         from the start: lowering overlaps the compiles, so the bar moves while programs are still lowered.
-        rows: the row programs to build (default: all); stop: an Event that ends the lowering loop when set."""
+        rows, prompts: the row and prompt-logprobs programs to build (default: all); stop: an Event that ends the
+        lowering loop when set. Prompt-logprobs programs go first: a request that needs one before it is built
+        compiles it on the engine thread (`prompt_program`)."""
         start = time.perf_counter()
-        wanted = {"step": self.buckets.keys() if keys is None else keys,
-                  "row": self.buckets.row_programs() if rows is None else rows,
-                  "prompt": self.buckets.prompt_logprobs_chunk}  # fmt: skip
+        wanted = {"prompt": self.buckets.prompt_logprobs_chunk if prompts is None else prompts,
+                  "step": self.buckets.keys() if keys is None else keys,
+                  "row": self.buckets.row_programs() if rows is None else rows}  # fmt: skip
         jobs = [(family, key) for family, family_keys in wanted.items() for key in family_keys
                 if key not in self._family(family)[1]]  # fmt: skip
         workers = workers or min(MAX_COMPILE_WORKERS, os.cpu_count() or 1)
@@ -609,15 +612,18 @@ class Runner:
         return time.perf_counter() - start
 
     def compile_ready_set(self, progress=None) -> float:
-        """Builds `Buckets.ready_keys` and their row programs (and every prompt-logprobs program): enough to serve,
-        each plan padded up to a built program (`key_for`). Programs in the store are all loaded too: loading
-        is cheap, and the ones loaded are warmed up with the rest. Returns the wall seconds."""
+        """Builds `Buckets.ready_keys` and their row programs: enough to serve, each plan padded up to a built
+        program (`key_for`). The prompt-logprobs programs come first in the background build instead: each cost
+        the tiny server's cold start ~6-10 s on the 2-core CPU (three of them: 57 s to ready against 34 s). Programs
+        in the store are all loaded too: loading is cheap, and the ones loaded are warmed up with the rest. Returns
+        the wall seconds."""
         ready = self.buckets.ready_keys()
         self.pads_up = True
         keys = list(dict.fromkeys(ready + [k for k in self.buckets.keys() if self._stored("step", k)]))
         rows = self.buckets.rows_of(ready) + [k for k in self.buckets.row_programs() if self._stored("row", k)]
         rows = list(dict.fromkeys(rows))
-        return self.compile_all(progress, keys=keys, rows=rows)
+        prompts = [t for t in self.buckets.prompt_logprobs_chunk if self._stored("prompt", t)]
+        return self.compile_all(progress, keys=keys, rows=rows, prompts=prompts)
 
     def compile_in_background(self, workers: int = 1) -> threading.Thread:
         """Builds the rest of the program set in a thread while the engine serves; each program is used as soon as

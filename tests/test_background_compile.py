@@ -68,6 +68,7 @@ def test_steps_pad_up_to_the_ready_set_and_match_the_exact_buckets(tiny_model, c
     monkeypatch.setattr(runner, "store", None)  # nothing more may be loaded or compiled while serving
     built = set(runner.executables)
     assert set(runner.buckets.ready_keys()) <= built < set(runner.buckets.keys())
+    assert runner.buckets.prompt_logprobs_chunk and not runner.prompt_executables  # built in the background
     text = ServingMetrics("tiny", LIMITS["max_model_len"], engine).render().decode()
     gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert gauges["qwen35_jax_programs_built"] < gauges["qwen35_jax_programs_total"] == len(
@@ -130,6 +131,7 @@ def test_the_background_thread_builds_the_rest_and_an_idle_engine_runs_each_once
     try:
         runner.wait_for_background(timeout=600)
         assert set(runner.executables) == set(runner.buckets.keys())
+        assert set(runner.prompt_executables) == set(runner.buckets.prompt_logprobs_chunk)
         assert set(runner.row_executables) == set(runner.buckets.row_programs())
         deadline = time.monotonic() + 300
         while runner.unwarmed() and time.monotonic() < deadline:

@@ -34,11 +34,14 @@ from _lowering import lower_for_h200
 
 from qwen35_jax.kernels.gdn_decode import (
     GDN_DECODE_TUNING,
+    gdn_decode_pool_gated_pallas,
+    gdn_decode_pool_gated_ref,
     gdn_decode_pool_packed_pallas,
     gdn_decode_pool_packed_ref,
     gdn_decode_pool_pallas,
     gdn_decode_pool_ref,
     gdn_decode_ref,
+    gdn_gates,
 )
 
 BLOCK_DV = GDN_DECODE_TUNING.block_dv
@@ -416,3 +419,47 @@ def test_gpu_pool_donated_updated_in_place():
     _, new_pool = jax.jit(gdn_decode_pool_pallas, donate_argnums=5)(*inputs, pool, jnp.int32(1), slots)
     assert pool.is_deleted()
     assert new_pool.unsafe_buffer_pointer() == pointer
+
+
+def gated_inputs(rng, batch, nv, dtype, ba_col=5):
+    """The in_proj's b and a at columns [ba_col, ba_col + 2 nv) of a wider row (other columns before and after, as
+    in the fused product), and the layer's A_log and dt_bias."""
+    ba = jnp.asarray(rng.standard_normal((batch, ba_col + 2 * nv + 3)), dtype)
+    a_log = jnp.asarray(rng.uniform(-1.0, 1.5, nv), dtype)
+    dt_bias = jnp.asarray(rng.standard_normal(nv), dtype)
+    return ba, ba_col, a_log, dt_bias
+
+
+def test_gdn_gates_are_hf_s_formula():
+    """g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), written with exp and log1p (so that the kernel
+    can make them too), against jax.nn's softplus and sigmoid over a wide range of a."""
+    a = jnp.linspace(-40.0, 40.0, 1001)
+    b = jnp.linspace(-30.0, 30.0, 1001)
+    a_log, dt_bias = jnp.float32(0.7), jnp.float32(-0.3)
+    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    np.testing.assert_allclose(g, -jnp.exp(a_log) * jax.nn.softplus(a + dt_bias), rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(beta, jax.nn.sigmoid(b), rtol=1e-6, atol=1e-30)
+    assert gdn_gates(a, b.astype(jnp.bfloat16), a_log, dt_bias)[1].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("nk, nv, dk, dv", [(2, 4, 16, 16), (2, 4, 16, 32)], ids=["packed", "dk-ne-dv"])
+def test_gated_kernel_makes_the_gates_from_the_in_proj_columns(dtype, nk, nv, dk, dv):
+    """The gated entry point reads b and a at their columns of the in_proj's output and makes the gates in the
+    kernel: it equals the gated reference (`gdn_gates` of the same columns, then the packed reference), padding rows
+    included; the columns around them hold other values, so a wrong offset or head fails the comparison."""
+    rng = np.random.default_rng(21)
+    pool, real, trash = pool_case(rng, 3, nv, dk, dv)
+    slots = jnp.asarray(np.concatenate([rng.permutation(real), [trash]]), jnp.int32)
+    q, k, v, _, _ = step_inputs(jax.random.PRNGKey(22), 4, nk, nv, dk, dv, dtype)
+    qkv = jnp.concatenate([q.reshape(4, -1), k.reshape(4, -1), v.reshape(4, -1)], axis=-1)
+    ba, ba_col, a_log, dt_bias = gated_inputs(rng, 4, nv, dtype)
+    kernel = jax.jit(lambda *a: gdn_decode_pool_gated_pallas(*a, interpret=True), static_argnums=2)
+    out, new_pool = kernel(qkv, ba, ba_col, a_log, dt_bias, pool, 1, slots)
+    ref_out, ref_pool = gdn_decode_pool_gated_ref(qkv, ba, ba_col, a_log, dt_bias, pool, 1, slots)
+    np.testing.assert_allclose(np.float32(out), np.float32(ref_out), **OUT_TOL[dtype])
+    np.testing.assert_allclose(np.float32(new_pool), np.float32(ref_pool), **STATE_TOL)
+    assert not np.any(np.float32(out)[-1]), "the padding row's output is 0"
+    g, beta = gdn_gates(ba[:, ba_col + nv : ba_col + 2 * nv], ba[:, ba_col : ba_col + nv], a_log, dt_bias)
+    np.testing.assert_array_equal(np.float32(ref_out), np.float32(gdn_decode_pool_packed_ref(qkv, g, beta, pool, 1,
+                                                                                              slots)[0]))  # fmt: skip
