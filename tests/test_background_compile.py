@@ -59,7 +59,8 @@ def launched_keys(runner, monkeypatch) -> list:
 
 def test_steps_pad_up_to_the_ready_set_and_match_the_exact_buckets(tiny_model, compile_cache_dir, tmp_path,
                                                                    monkeypatch):  # fmt: skip
-    full = build_engine(tiny_model, EngineConfig(compile_cache=compile_cache_dir, **LIMITS))
+    # The reference run needs no prompt-logprobs programs (its workload asks for none).
+    full = build_engine(tiny_model, EngineConfig(compile_cache=compile_cache_dir, prompt_logprobs_chunk=0, **LIMITS))
     expected = generate(full, workload())
     monkeypatch.setattr(Runner, "compile_in_background", lambda self, workers=1: None)
     # An empty program store, so that only the ready set is built (a warm store would load every program).
