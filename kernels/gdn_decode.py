@@ -262,15 +262,16 @@ def _packed_tiling(qkv, pool, tuning: GdnDecodeTuning):
     return qkv.reshape(batch, -1, dk), grid, (q_spec, k_spec, v_spec), value_spec, head_spec
 
 
-def _gate_columns(ba, ba_col: int, num_value_heads: int):
-    """(a, b) [B, nv]: the in_proj's b at columns [ba_col, ba_col + nv) of ba, a right after it."""
-    return ba[:, ba_col + num_value_heads : ba_col + 2 * num_value_heads], ba[:, ba_col : ba_col + num_value_heads]
+def gate_columns(ba, ba_col: int, num_value_heads: int):
+    """(a, b) [..., nv]: the in_proj's b at columns [ba_col, ba_col + nv) of ba, a right after it."""
+    return (ba[..., ba_col + num_value_heads : ba_col + 2 * num_value_heads],
+            ba[..., ba_col : ba_col + num_value_heads])  # fmt: skip
 
 
 def gdn_decode_pool_gated_ref(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last"):
     """`gdn_decode_pool_packed_ref` with its gates made from the in_proj's output: b at columns [ba_col, ba_col +
     nv) of ba [B, W], a at [ba_col + nv, ba_col + 2 nv), and the layer's A_log and dt_bias [nv] (`gdn_gates`)."""
-    g, beta = gdn_gates(*_gate_columns(ba, ba_col, pool.shape[2]), a_log, dt_bias)
+    g, beta = gdn_gates(*gate_columns(ba, ba_col, pool.shape[2]), a_log, dt_bias)
     return gdn_decode_pool_packed_ref(qkv, g, beta, pool, layer, slots, trash_slot)
 
 
@@ -282,7 +283,7 @@ def gdn_decode_pool_gated_pallas(qkv, ba, ba_col: int, a_log, dt_bias, pool, lay
     Head dims that differ take the gates from XLA and the unpacked kernel."""
     num_value_heads, dk, dv = pool.shape[2:]
     if dk != dv:
-        g, beta = gdn_gates(*_gate_columns(ba, ba_col, num_value_heads), a_log, dt_bias)
+        g, beta = gdn_gates(*gate_columns(ba, ba_col, num_value_heads), a_log, dt_bias)
         return gdn_decode_pool_packed_pallas(qkv, g, beta, pool, layer, slots, trash_slot, interpret=interpret,
                                              tuning=tuning)  # fmt: skip
     rows, grid, qkv_specs, value_spec, _ = _packed_tiling(qkv, pool, tuning)

@@ -29,7 +29,7 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
-from qwen35_jax.kernels.gdn_decode import gdn_gates
+from qwen35_jax.kernels.gdn_decode import gate_columns, gdn_gates
 from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref
 from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
 
@@ -239,8 +239,7 @@ class GatedDeltaNet(nnx.Module):
             out, pools = self._decode(ctx, mixed_d, ba_d, ba_col, pools, layer)
             outs.append(out.reshape(-1, *out.shape[-2:]))
         if mixed_p is not None:
-            nv = self.cfg.linear_num_value_heads
-            b, a = ba_p[..., ba_col : ba_col + nv], ba_p[..., ba_col + nv : ba_col + 2 * nv]
+            a, b = gate_columns(ba_p, ba_col, self.cfg.linear_num_value_heads)
             g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
             out, state = self._prefill(ctx, mixed_p, g, beta, state)
             outs.append(out.reshape(-1, *out.shape[-2:]))
