@@ -44,7 +44,10 @@ class LinearTuning:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    programs_per_sm: int = 4  # enough loads in flight to cover HBM latency
+    # Programs an SM that the K splits aim for. Two: a wide weight (4B in_proj, 386 column blocks; attention qkv, 320)
+    # then reads its whole K in one program, 8-9% faster at batch 1 than the two splits that four an SM asked for,
+    # and the narrow weights' splits are as fast (`tools/bench_linear.py --splits`, docs/kernels.md).
+    programs_per_sm: int = 2
     min_steps: int = 4  # block_k steps a program at least (a longer loop pipelines its loads better)
     splits: int | None = None  # K splits; None: `default_splits`
 

@@ -91,11 +91,12 @@ def test_a_smaller_max_rows_sends_more_rows_to_the_reference():
 
 
 def test_default_splits_reach_enough_programs_on_narrow_weights():
-    """4B: N = 2560 (out_proj, down) gets its K split; wide weights (gate/up, 18432) barely; every split keeps
-    >= 4 block_k steps and divides K's steps (the target, 4 programs an SM, at the 132 SMs interpret mode assumes)."""
+    """4B: N = 2560 (out_proj, down) gets its K split; wide weights (gate/up, 18432) not at all; every split keeps
+    >= 4 block_k steps and divides K's steps (the target, 2 programs an SM, at the 132 SMs interpret mode assumes)."""
     assert default_splits(2560, 9216, 64, 256) == 9  # 36 steps: 40 x 9 programs
     assert default_splits(2560, 4096, 64, 256) == 4  # 16 steps
-    assert default_splits(18432, 2560, 64, 256) == 2  # 10 steps: 288 x 2
+    assert default_splits(18432, 2560, 64, 256) == 1  # 288 column blocks >= 264
+    assert default_splits(18432, 2560, 64, 256, LinearTuning(programs_per_sm=4)) == 2  # 10 steps: 288 x 2
     assert default_splits(64, 512, 64, 256) == 1  # 2 steps: no split leaves 4
     assert default_splits(2560, 9216, 64, 256, LinearTuning(programs_per_sm=1)) == 4  # 160 programs >= 132
 
@@ -109,7 +110,7 @@ def test_lowers_to_triton_for_h200():
         text = lower_for_h200(linear_pallas, spec((m, k), jnp.bfloat16), spec((n, k), jnp.bfloat16)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
         grids.append(re.findall(r"grid_[xyz] = (\d+)", text))
-    assert grids == [["576", "1", "1"], ["80", "8", "1"]]
+    assert grids == [["576", "1", "1"], ["80", "4", "1"]]
 
 
 @pytest.mark.gpu
