@@ -99,6 +99,9 @@ def _serve_parser(subparsers) -> None:
                    help="qwen3: chat answers' <think> blocks go to reasoning_content; none: left in the content")  # fmt: skip
     p.add_argument("--tool-call-parser", default="qwen3_coder",
                    help="qwen3_coder: chat answers' <tool_call> blocks become tool_calls; none: left in the content")  # fmt: skip
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="tool_choice 'none' leaves the tools out of the prompt (by default they are rendered, and the"
+                        " answer is not parsed for calls, as in vLLM)")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="seconds in-flight requests may run on after SIGTERM/SIGINT; then they end with finish_reason"
                         " 'abort' (0: at once)")  # fmt: skip
@@ -269,6 +272,7 @@ def _serve_on(sock, args, config, cfg) -> None:
         tool_call_parser=args.tool_call_parser, prompt_logprobs=config.prompt_logprobs_chunk > 0,
         model_root=args.model, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )  # fmt: skip
     app = http.create_app(http.OpenAIServer(engine, model.tokenizer, server_config))
     url = http.listen_url(sock)

@@ -100,10 +100,12 @@ class OutputParser:
     in_reasoning: the prompt ends inside `<think>` (Qwen3.5's template opens it when thinking is on), so the
     answer starts as reasoning; otherwise an answer that opens with `<think>` enters it. tools: name -> the
     request's function definition, or None to leave tool calls as content. prefix: text the server put at the
-    start of the answer in the prompt (a forced `<tool_call>` for tool_choice required or a named function)."""
+    start of the answer in the prompt (a forced `<tool_call>` for tool_choice required or a named function).
+    max_calls: the calls kept (1 for parallel_tool_calls false); later well-formed calls are dropped, as vLLM does."""
 
-    def __init__(self, reasoning: bool, tools: dict[str, dict] | None, in_reasoning: bool = False, prefix: str = ""):
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(self, reasoning: bool, tools: dict[str, dict] | None, in_reasoning: bool = False, prefix: str = "",
+                 max_calls: int | None = None):  # fmt: skip
+        self.reasoning, self.tools, self.max_calls = reasoning, tools, max_calls
         self.state = "reasoning" if reasoning and in_reasoning else "start" if reasoning else "content"
         self.held = prefix
         self.strip_newlines = False  # after </think>, the content's leading newlines belong to the tag
@@ -125,8 +127,7 @@ class OutputParser:
         if self.state == "tool":
             call = parse_tool_block(self.held[len(TOOL_START) :], self.tools or {})
             if call is not None:
-                self.num_calls += 1
-                delta.tool_calls.append(call)
+                delta += self._call(call)
             else:
                 delta.content += self.held
         elif self.state == "reasoning":
@@ -167,8 +168,12 @@ class OutputParser:
         call = parse_tool_block(block, self.tools or {})
         if call is None:
             return Delta(content=TOOL_START + block + TOOL_END)
+        return self._call(call)
+
+    def _call(self, call) -> Delta:
+        """A parsed call, or nothing once max_calls are out."""
         self.num_calls += 1
-        return Delta(tool_calls=[call])
+        return Delta(tool_calls=[call] if self.max_calls is None or self.num_calls <= self.max_calls else [])
 
     def _until(self, tag: str, field: str, next_state: str, strip_after=False, keep_tag=False) -> Delta | None:
         """Emit the held text as `field` up to `tag`, then switch to `next_state`; hold an end that may start it.

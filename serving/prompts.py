@@ -75,9 +75,12 @@ class OutputFormat:
     tools: dict[str, dict] | None  # the request's functions by name, when tool calls are parsed
     in_reasoning: bool = False  # the prompt ends inside <think>
     prefix: str = ""  # the start of the answer that the prompt already holds (a forced tool call)
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false keeps the answer's first call only
 
     def parser(self) -> OutputParser:
-        return OutputParser(self.reasoning, self.tools, self.in_reasoning, self.prefix)
+        return OutputParser(
+            self.reasoning, self.tools, self.in_reasoning, self.prefix, max_calls=None if self.parallel else 1
+        )
 
 
 class RequestPreparer:
@@ -259,11 +262,17 @@ class RequestPreparer:
     async def chat_prompt(self, request: api.ChatCompletionRequest,
                           structured: bool = False) -> tuple[list[int], OutputFormat]:  # fmt: skip
         """The prompt's ids, rendered by the checkpoint's chat template with the request's tools, and the format
-        its answer is parsed with. tool_choice "none" renders no tools; "required" or a named function puts the
+        its answer is parsed with. tool_choice "none" renders the tools (none with
+        `exclude_tools_when_tool_choice_none`) and parses no calls; "required" or a named function puts the
         start of a `<tool_call>` block at the head of the answer. A structured answer (`response_format`) is all
         grammar from its first token, so a prompt that opened the reasoning closes it, as a forced call does."""
-        tools = request.tools if request.tools and request.tool_choice != "none" else None
-        text = await self._render_chat(request, tools)
+        tools = request.tools or None
+        if tools is not None and request.tool_choice == "none":
+            rendered = None if self.config.exclude_tools_when_tool_choice_none else tools
+            tools = None  # nothing parsed as a call and nothing forced
+        else:
+            rendered = tools
+        text = await self._render_chat(request, rendered)
         tail = text[text.rfind(ASSISTANT_TURN) :]
         in_reasoning = tail.rfind(THINK_START) > tail.rfind(THINK_END)
         prefix = _forced_tool_call(request.tool_choice) if tools is not None else ""
@@ -276,7 +285,7 @@ class RequestPreparer:
             reasoning=self.config.reasoning_parser != "none",
             tools={t.function.name: t.function.model_dump() for t in tools}
             if tools is not None and self.config.tool_call_parser != "none" else None,
-            in_reasoning=in_reasoning, prefix=prefix,
+            in_reasoning=in_reasoning, prefix=prefix, parallel=request.parallel_tool_calls is not False,
         )  # fmt: skip
         return ids, output_format
 

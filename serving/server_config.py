@@ -25,6 +25,9 @@ class ServerConfig:
     # How chat answers are parsed (serving/parsers.py): Qwen3's <think> reasoning, Qwen3-Coder's <tool_call> blocks.
     reasoning_parser: str = "qwen3"
     tool_call_parser: str = "qwen3_coder"
+    # tool_choice "none": the tools stay in the prompt (the model knows them, as vLLM renders them) unless this is
+    # set, and the answer is never parsed for calls either way.
+    exclude_tools_when_tool_choice_none: bool = False
     # The engine has prompt-logprobs programs (--prompt-logprobs-chunk): echo with logprobs and prompt_logprobs work.
     prompt_logprobs: bool = False
     model_root: str | None = None  # where the model came from (--model): the model card's `root`, as vLLM's

@@ -8,7 +8,7 @@ import json
 
 import openai
 import pytest
-from _scripted import CALL, MODEL
+from _scripted import CALL, MODEL, ScriptedEngine
 
 pytest_plugins = ["_scripted"]
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
@@ -46,12 +46,35 @@ def test_a_streamed_tool_call_comes_whole_in_one_delta(scripted):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_tool_choice_none_renders_no_tools_and_parses_none(scripted):
+def test_tool_choice_none_renders_the_tools_and_parses_no_call(scripted):
+    """As vLLM: the model still sees the tools (a conversation with earlier calls stays coherent), but the answer
+    is text whatever it holds."""
     engine, client, tokenizer = scripted
     engine.answer = CALL
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="none")
     assert reply.choices[0].message.content == CALL and not reply.choices[0].message.tool_calls
-    assert reply.choices[0].finish_reason == "stop" and "<tools>" not in tokenizer.decode(engine.prompts[-1])
+    assert reply.choices[0].finish_reason == "stop"
+    prompt = tokenizer.decode(engine.prompts[-1])
+    assert "<tools>" in prompt and '"get_weather"' in prompt and prompt.endswith("assistant\n")
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+def test_exclude_tools_when_tool_choice_none_leaves_them_out_of_the_prompt(exclude):
+    import asyncio
+
+    from qwen35_jax.api import TINY_ASSETS
+    from qwen35_jax.serving import protocol as api
+    from qwen35_jax.serving.prompts import RequestPreparer
+    from qwen35_jax.serving.server import ServerConfig
+    from qwen35_jax.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(TINY_ASSETS)
+    config = ServerConfig(served_model_name=MODEL, max_model_len=4096, vocab_size=tokenizer.vocab_size,
+                          exclude_tools_when_tool_choice_none=exclude)  # fmt: skip
+    request = api.ChatCompletionRequest(model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="none")
+    ids, output_format = asyncio.run(RequestPreparer(ScriptedEngine(), tokenizer, config).chat_prompt(request))
+    assert ("<tools>" in tokenizer.decode(ids)) is not exclude
+    assert output_format.tools is None and output_format.prefix == ""
 
 
 @pytest.mark.parametrize("tool_choice, forced", [
@@ -126,3 +149,29 @@ def test_a_forced_call_with_parameters_no_grammar_can_follow_gets_a_400_naming_t
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[tool], tool_choice="required")
     assert caught.value.body["param"] == "tools"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [None, False])
+def test_parallel_tool_calls_false_keeps_the_first_call(scripted, parallel, stream):
+    """An answer with two calls gives both by default, and only the first with parallel_tool_calls false (vLLM
+    drops the rest the same way, under tool_choice auto, where no grammar holds the model to one call)."""
+    engine, client, _ = scripted
+    second = CALL.replace("Paris", "Lyon")
+    engine.answer = f"{CALL}\n{second}"
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER_TOOL], stream=stream,
+                                           **extra)  # fmt: skip
+    if stream:
+        chunks = list(reply)
+        calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        calls, content = reply.choices[0].message.tool_calls, reply.choices[0].message.content
+        finish = reply.choices[0].finish_reason
+    cities = [json.loads(call.function.arguments)["city"] for call in calls]
+    assert cities == (["Paris"] if parallel is False else ["Paris", "Lyon"])
+    assert finish == "tool_calls" and not (content or "").strip()
+    if stream:
+        assert [call.index for call in calls] == list(range(len(calls)))
