@@ -60,7 +60,8 @@ def paged_decode_attention_ref(q, k_pages, v_pages, layer, page_table, lengths):
 #
 # Grid (B, KV, splits): one program per (row, KV head, split of the row's keys). Its tile holds the `group`
 # query heads of that KV head, padded to 16 rows (the smallest tensor-core M), so K/V of a head are read
-# once for all the heads that share it. The row's used key blocks, cdiv(lengths[b], block_k), are dealt
+# once for all the heads that share it. The padding is a masked load and store of the group's rows when the
+# group is a power of two (a block shape Triton takes): no padded copy of q, no slice of the output. The row's used key blocks, cdiv(lengths[b], block_k), are dealt
 # out evenly to the splits (flash-decoding: small batches fill the GPU); each split writes an unnormalised
 # partial output with its running max and denominator, and `merge_splits` combines them in XLA.
 # Keys are gathered token by token: position j of row b lives at page page_table[b, j // page_size],
@@ -137,11 +138,29 @@ def loop_key_blocks(carry, first, last, first_masked, step):
     return lax.fori_loop(middle, last, functools.partial(step, masked=True), carry)
 
 
+def load_rows(ref, rows: int):
+    """ref's block [n, ...] as [rows, ...] (rows >= n), the rows past n zero: a masked load."""
+    if ref.shape[0] == rows:
+        return ref[...]
+    valid = (jnp.arange(rows) < ref.shape[0]).reshape(rows, *[1] * (len(ref.shape) - 1))
+    return plgpu.load(ref.at[pl.ds(0, rows)], mask=valid, other=0)
+
+
+def store_rows(ref, value) -> None:
+    """value [rows, ...] into ref's block [n, ...] (n <= rows): its first n rows, by a masked store."""
+    rows = value.shape[0]
+    if ref.shape[0] == rows:
+        ref[...] = value
+        return
+    valid = (jnp.arange(rows) < ref.shape[0]).reshape(rows, *[1] * (value.ndim - 1))
+    plgpu.store(ref.at[pl.ds(0, rows)], value, mask=valid)
+
+
 def _decode_kernel(layer_ref, lengths_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, m_ref, l_ref,
-                   *, block_k: int, num_splits: int, scale: float):  # fmt: skip
+                   *, block_k: int, num_splits: int, scale: float, rows: int):  # fmt: skip
     row, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, layer = lengths_ref[row], layer_ref[0]
-    q = q_ref[...]  # [rows, D]: this KV head's query heads, zero-padded
+    q = load_rows(q_ref, rows)  # [rows, D]: this KV head's query heads, zero-padded
     precision = dot_precision(q.dtype)
     num_blocks = pl.cdiv(length, block_k)
     per_split = pl.cdiv(num_blocks, num_splits)
@@ -160,7 +179,8 @@ def _decode_kernel(layer_ref, lengths_ref, page_table_ref, q_ref, k_pages_ref, v
 
     carry = empty_softmax_state(*q.shape)
     o, m, l = loop_key_blocks(carry, first, last, lax.div(length, block_k), step)
-    o_ref[...], m_ref[...], l_ref[...] = o, m, l
+    for ref, value in ((o_ref, o), (m_ref, m), (l_ref, l)):
+        store_rows(ref, value)
 
 
 def merge_splits(o, m, l):
@@ -211,20 +231,23 @@ def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, length
     kv_heads, page_size = k_pages.shape[3], k_pages.shape[2]
     group = heads // kv_heads
     rows = max(16, pl.next_power_of_2(group))
-    qg = pad_to(q.reshape(batch, kv_heads, group, dim), (batch, kv_heads, rows, dim))
+    held = group if group == pl.next_power_of_2(group) else rows  # query rows in memory: a power-of-two block
+    qg = q.reshape(batch, kv_heads, group, dim)
+    if held != group:
+        qg = pad_to(qg, (batch, kv_heads, held, dim))
     if num_splits is None:
         num_splits = decode_splits(batch, kv_heads, page_table.shape[1] * page_size, block_k)
-    kernel = functools.partial(_decode_kernel, block_k=block_k, num_splits=num_splits, scale=dim**-0.5)
+    kernel = functools.partial(_decode_kernel, block_k=block_k, num_splits=num_splits, scale=dim**-0.5, rows=rows)
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    partial_shape = (num_splits, batch, kv_heads, rows)
+    partial_shape = (num_splits, batch, kv_heads, held)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, num_splits),
-        in_specs=[whole, whole, whole, pl.BlockSpec((None, None, rows, dim), lambda b, h, s: (b, h, 0, 0)),
+        in_specs=[whole, whole, whole, pl.BlockSpec((None, None, held, dim), lambda b, h, s: (b, h, 0, 0)),
                   whole, whole],
-        out_specs=[pl.BlockSpec((None, None, None, rows, dim), lambda b, h, s: (s, b, h, 0, 0)),
-                   pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0)),
-                   pl.BlockSpec((None, None, None, rows), lambda b, h, s: (s, b, h, 0))],
+        out_specs=[pl.BlockSpec((None, None, None, held, dim), lambda b, h, s: (s, b, h, 0, 0)),
+                   pl.BlockSpec((None, None, None, held), lambda b, h, s: (s, b, h, 0)),
+                   pl.BlockSpec((None, None, None, held), lambda b, h, s: (s, b, h, 0))],
         out_shape=[jax.ShapeDtypeStruct((*partial_shape, dim), jnp.float32),
                    jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                    jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
@@ -232,5 +255,5 @@ def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, length
         interpret=interpret,
         name="paged_decode_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), lengths, page_table, qg, k_pages, v_pages)  # fmt: skip
-    out = merge_splits(o, m, l)[:, :, :group]  # [B, KV, group, D]
+    out = merge_splits(o, m, l)[:, :, :group]  # [B, KV, group, D]: a slice only where the rows were padded
     return out.reshape(batch, heads, dim).astype(q.dtype)

@@ -125,6 +125,16 @@ def test_decode_gqa4_head256(dtype):
     check_close(out, paged_decode_attention_ref(*args), dtype)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(6, 1), (24, 4), (16, 1)], ids=["group6", "group6-kv4", "group16"])
+def test_decode_groups_that_are_not_a_padded_tile(heads, kv_heads):
+    """A group that is no power of two (27B's 24 over 4) is padded in memory to the tile; one of 16 fills the tile
+    and is neither masked nor padded. Both give the reference's result (the 4B's group of 4 is a masked load)."""
+    rng = np.random.default_rng(heads)
+    args = decode_case(rng, [9, 40], heads=heads, kv_heads=kv_heads, dim=32, page_size=16, dtype=jnp.float32)
+    out = run_decode(args, block_k=16, num_splits=2)
+    check_close(out, paged_decode_attention_ref(*args), jnp.float32)
+
+
 def test_decode_reads_nothing_past_length():
     """The tail of each row's last page and the unused page-table entries hold NaN pages or garbage ids; the
     kernel must give the reference's result on the clean cache, so it never read them."""
