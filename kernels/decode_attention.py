@@ -62,8 +62,9 @@ def paged_decode_attention_ref(q, k_pages, v_pages, layer, page_table, lengths):
 # query heads of that KV head, padded to 16 rows (the smallest tensor-core M), so K/V of a head are read
 # once for all the heads that share it. The padding is a masked load and store of the group's rows when the
 # group is a power of two (a block shape Triton takes): no padded copy of q, no slice of the output. The
-# row's used key blocks, cdiv(lengths[b], block_k), are dealt out evenly to the splits (flash-decoding: small batches fill the GPU); each split writes an unnormalised
-# partial output with its running max and denominator, and `merge_splits` combines them in XLA.
+# row's used key blocks, cdiv(lengths[b], block_k), are dealt out evenly to the splits (flash-decoding:
+# small batches fill the GPU); each split writes an unnormalised partial output with its running max and
+# denominator, and `merge_splits` combines them in XLA.
 # Keys are gathered token by token: position j of row b lives at page page_table[b, j // page_size],
 # offset j % page_size, so any page size works and a block may span pages. Lanes of the last block past
 # lengths[b] re-read the row's last token (an L1 hit) and are masked out of the softmax: nothing past the
