@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 
 from qwen35_jax.kernels import chunk_attention
+from qwen35_jax.kernels.attention_inputs import attention_inputs_pallas, attention_inputs_ref
 from qwen35_jax.kernels.chunk_attention import prefill_attention_pallas, prefill_attention_ref
 from qwen35_jax.kernels.conv1d import (
     causal_conv1d_prefill_pallas,
@@ -45,21 +46,27 @@ class Mixers(NamedTuple):
     # of ba (from column ba_col) and the layer's A_log and dt_bias
     conv_prefill: object  # (x, weight, conv_state, lengths) -> (out, conv_state)
     conv_update: object  # (x, weight, pool, layer, slots) -> (out, pool): one token, conv state in the pool
-    decode_attention: object  # (q, k_pages, v_pages, layer, page_table, lengths) -> out
+    decode_attention: object  # (q, k_pages, v_pages, layer, page_table, lengths, gate) -> out * sigmoid(gate): the
+    # first lengths.shape[0] rows of q and gate
     prefill_attention: object  # (q, k, v, k_pages, v_pages, layer, page_table, start, lengths): chunk + prefix
     linear: object  # the weight products x @ W^T (decode-sized batches; larger ones go to XLA)
     linear_parts: object  # the same as partial sums [S, ..., N] (`residual_norm` adds them up where it reads them)
     residual_norm: object  # (h, parts, weight, eps) -> (h + the parts' sum, its RMSNorm)
+    attention_inputs: object  # (qkv products, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset,
+    # heads, kv_heads, eps) -> (q, k, gate, k_pages, v_pages): q and k normalised and rotated, the output gate, the
+    # K/V written to the pages
 
 
 REF = Mixers(
     "ref", gdn_chunked_prefill_packed_ref, gdn_decode_pool_gated_ref, causal_conv1d_prefill_ref, causal_conv1d_update_pool_ref,
     paged_decode_attention_ref, prefill_attention_ref, linear_ref, linear_parts_ref, residual_norm_ref,
+    attention_inputs_ref,
 )  # fmt: skip
 
 _PALLAS = (
     gdn_chunked_prefill_packed_pallas, gdn_decode_pool_gated_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pool_pallas,
     paged_decode_attention_pallas, prefill_attention_pallas, linear_pallas, linear_parts_pallas, residual_norm_pallas,
+    attention_inputs_pallas,
 )  # fmt: skip
 # Each kernel is wrapped in its own jax.jit: a step calls the same kernel at the same shapes in many layers
 # (24 GDN and 8 attention layers at 4B), and JAX lowers a nested jit once per program and calls it from each
@@ -67,7 +74,11 @@ _PALLAS = (
 # 4B step). XLA inlines the calls, so the compiled program is the same. Built once: jit keys compiled programs on
 # the Mixers value, so these must be the same objects every time.
 # Arguments that are Python constants of the model.
-_STATIC = {residual_norm_pallas: ("eps",), gdn_decode_pool_gated_pallas: ("ba_col",)}
+_STATIC = {
+    residual_norm_pallas: ("eps",),
+    gdn_decode_pool_gated_pallas: ("ba_col",),
+    attention_inputs_pallas: ("heads", "kv_heads", "eps"),
+}
 PALLAS = Mixers("pallas", *(jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS))
 PALLAS_INTERPRET = Mixers(
     "pallas-interpret",

@@ -4,12 +4,15 @@ Math: o[b, h] = softmax_j( q[b, h] . k[b, j, h // group] * scale ) v[b, j, h // 
 scores and softmax in fp32, probabilities rounded to the model dtype before the value product (as HF eager).
 
 Layouts:
-    q           [B, H, D]   model dtype (after q_norm and RoPE)
+    q           [B', H, D]  model dtype (after q_norm and RoPE); B' >= B: the decode rows are the first B (a unified
+                step's tokens, prefill ones after them, are passed whole, so that no slice is copied out for the call)
     k_pages     [L, N, page_size, KV, D] model dtype (the current token's K/V already written);  same for v
     layer       int32 scalar: which full-attention layer of the pool
     page_table  [B, W] int32: page ids of each row in order (unused entries point at the trash page 0)
     lengths     [B] int32: tokens in the cache for each row, the current one included
-Returns o [B, H, D] in q's dtype.
+    gate        [B', H, D] model dtype, optional: the output gate (Qwen3.5's attention output is o * sigmoid(gate)),
+                its first B rows the decode rows' as q's
+Returns o [B, H, D] in q's dtype (gated when a gate is given: `output_gate`).
 
 `paged_decode_attention_pallas` is the Pallas GPU kernel (Triton lowering; `interpret=True` runs it on the
 CPU): grid, split-K and numerics are in the notes above it, its tiles in `DecodeAttentionTuning`. The helpers
@@ -49,11 +52,20 @@ def attend(q, k, v, mask, scale):
     return out.reshape(q.shape).astype(q.dtype)
 
 
-def paged_decode_attention_ref(q, k_pages, v_pages, layer, page_table, lengths):
+def output_gate(out, gate):
+    """Qwen3.5's gated attention output: out * sigmoid(gate), the sigmoid in fp32 rounded to the model dtype and
+    the product rounded once (HF's order; the exact product of two bf16 values fits fp32)."""
+    sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+    return (out.astype(jnp.float32) * sigmoid.astype(jnp.float32)).astype(out.dtype)
+
+
+def paged_decode_attention_ref(q, k_pages, v_pages, layer, page_table, lengths, gate=None):
+    q = q[: lengths.shape[0]]
     k = gather_pages(k_pages, layer, page_table)
     v = gather_pages(v_pages, layer, page_table)
     mask = (jnp.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, :]
-    return attend(q[:, None], k, v, mask, q.shape[-1] ** -0.5)[:, 0]
+    out = attend(q[:, None], k, v, mask, q.shape[-1] ** -0.5)[:, 0]
+    return out if gate is None else output_gate(out, gate[: out.shape[0]].reshape(out.shape))
 
 
 # ---- Pallas GPU kernel (Triton lowering) -------------------------------------------------------------------
@@ -64,7 +76,10 @@ def paged_decode_attention_ref(q, k_pages, v_pages, layer, page_table, lengths):
 # group is a power of two (a block shape Triton takes): no padded copy of q, no slice of the output. The
 # row's used key blocks, cdiv(lengths[b], block_k), are dealt out evenly to the splits (flash-decoding:
 # small batches fill the GPU); each split writes an unnormalised partial output with its running max and
-# denominator, and `merge_splits` combines them in XLA.
+# denominator. With an output gate and a power-of-two group, a second kernel (`_merge_kernel`, grid (B, KV))
+# combines the splits and applies the gate, where XLA took three kernels a layer for the merge and the gate
+# (exp, the denominators' sum, the weighted sum with the gate's multiply: ~1.2 us each at batch 1 on the H100);
+# otherwise `merge_splits` combines them in XLA.
 # Keys are gathered token by token: position j of row b lives at page page_table[b, j // page_size],
 # offset j % page_size, so any page size works and a block may span pages. Lanes of the last block past
 # lengths[b] re-read the row's last token (an L1 hit) and are masked out of the softmax: nothing past the
@@ -222,25 +237,26 @@ def decode_attention_tuning(dtype) -> DecodeAttentionTuning:
     return DECODE_TUNING[min(jnp.dtype(dtype).itemsize, 4)]
 
 
-def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, lengths, *, interpret=False,
+def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, lengths, gate=None, *, interpret=False,
                                   tuning: DecodeAttentionTuning | None = None):  # fmt: skip
     """Pallas version of `paged_decode_attention_ref` (same arguments and result); see the notes above.
     tuning: None takes `decode_attention_tuning(q.dtype)`."""
     tuning = tuning or decode_attention_tuning(q.dtype)
     block_k, num_splits = tuning.block_k, tuning.num_splits
-    batch, heads, dim = q.shape
+    (tokens, heads, dim), batch = q.shape, lengths.shape[0]  # the grid runs over the first `batch` rows
     kv_heads, page_size = k_pages.shape[3], k_pages.shape[2]
     group = heads // kv_heads
     rows = max(16, pl.next_power_of_2(group))
     held = group if group == pl.next_power_of_2(group) else rows  # query rows in memory: a power-of-two block
-    qg = q.reshape(batch, kv_heads, group, dim)
+    qg = q.reshape(tokens, kv_heads, group, dim)
     if held != group:
-        qg = pad_to(qg, (batch, kv_heads, held, dim))
+        qg = pad_to(qg[:batch], (batch, kv_heads, held, dim))
     if num_splits is None:
         num_splits = decode_splits(batch, kv_heads, page_table.shape[1] * page_size, block_k)
     kernel = functools.partial(_decode_kernel, block_k=block_k, num_splits=num_splits, scale=dim**-0.5, rows=rows)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     partial_shape = (num_splits, batch, kv_heads, held)
+    compiler_params = plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, num_splits),
@@ -252,9 +268,50 @@ def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, length
         out_shape=[jax.ShapeDtypeStruct((*partial_shape, dim), jnp.float32),
                    jax.ShapeDtypeStruct(partial_shape, jnp.float32),
                    jax.ShapeDtypeStruct(partial_shape, jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+        compiler_params=compiler_params,
         interpret=interpret,
         name="paged_decode_attention",
     )(jnp.asarray(layer, jnp.int32).reshape(1), lengths, page_table, qg, k_pages, v_pages)  # fmt: skip
+    if gate is not None and held == group:
+        return _merge_gated(o, m, l, gate.reshape(tokens, kv_heads, group, dim), q.dtype, interpret)
     out = merge_splits(o, m, l)[:, :, :group]  # [B, KV, group, D]: a slice only where the rows were padded
-    return out.reshape(batch, heads, dim).astype(q.dtype)
+    out = out.reshape(batch, heads, dim).astype(q.dtype)
+    return out if gate is None else output_gate(out, gate[:batch].reshape(out.shape))
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, gate_ref, out_ref):
+    """One (row, KV head): o_ref [S, group, D], m_ref / l_ref [S, group] -> out_ref [group, D] = the splits' merged,
+    normalised output (`merge_splits`, rounded to the model dtype) times sigmoid(gate) (`output_gate`)."""
+    splits = o_ref.shape[0]  # loaded one split at a time: Triton's tensors are powers of two, the splits need not be
+    m_max = m_ref[0, :]
+    for s in range(1, splits):
+        m_max = jnp.maximum(m_max, m_ref[s, :])
+    m_max = finite_max(m_max)  # [group]; rows no split saw keep 0
+    acc = jnp.zeros(o_ref.shape[1:], jnp.float32)
+    denominator = jnp.zeros(m_max.shape, jnp.float32)
+    for s in range(splits):  # empty splits (m = -inf) weigh 0
+        weight = jnp.exp(m_ref[s, :] - m_max)
+        acc = acc + o_ref[s, :, :] * weight[:, None]
+        denominator = denominator + l_ref[s, :] * weight
+    out = normalise(acc, denominator).astype(out_ref.dtype)
+    out_ref[...] = output_gate(out, gate_ref[...])
+
+
+def _merge_gated(o, m, l, gate, dtype, interpret: bool):
+    """o [S, B, KV, group, D], m and l [S, B, KV, group], gate [B' >= B, KV, group, D] -> [B, H, D]
+    (`_merge_kernel`)."""
+    splits, batch, kv_heads, group, dim = o.shape
+    per_head = pl.BlockSpec((None, None, group, dim), lambda b, h: (b, h, 0, 0))
+    partial = pl.BlockSpec((splits, None, None, group), lambda b, h: (0, b, h, 0))
+    out = pl.pallas_call(
+        _merge_kernel,
+        grid=(batch, kv_heads),
+        in_specs=[pl.BlockSpec((splits, None, None, group, dim), lambda b, h: (0, b, h, 0, 0)), partial, partial,
+                  per_head],
+        out_specs=per_head,
+        out_shape=jax.ShapeDtypeStruct(o.shape[1:], dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="decode_attention_merge",
+    )(o, m, l, gate)  # fmt: skip
+    return out.reshape(batch, kv_heads * group, dim)

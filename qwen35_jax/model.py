@@ -29,6 +29,8 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
+from qwen35_jax.kernels.attention_inputs import split_parts
+from qwen35_jax.kernels.decode_attention import output_gate
 from qwen35_jax.kernels.gdn_decode import gate_columns, gdn_gates
 from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref
 from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
@@ -121,15 +123,23 @@ def _fused_linear(cfg: Qwen35Config, name: str, in_features: int, dtype) -> Line
     return Linear(in_features, sum(width for _, width in fused_parts(cfg)[name]), dtype)
 
 
-def _projections(cfg: Qwen35Config, name: str, module: Linear, x, linear) -> list[jax.Array]:
-    """The outputs of fused projection `name` over x, one per checkpoint part: one product over the fused weight,
-    or for the layers' input projections over more than FUSED_QKV_MAX_ROWS rows, one product per part's rows."""
-    widths = [width for _, width in fused_parts(cfg)[name]]
-    bounds = list(itertools.accumulate(widths))[:-1]
+def _products(cfg: Qwen35Config, name: str, module: Linear, x, linear) -> tuple[jax.Array, ...]:
+    """Fused projection `name` over x as products: one over the fused weight (its parts side by side), or for the
+    layers' input projections over more than FUSED_QKV_MAX_ROWS rows, one per checkpoint part."""
     weight = module.weight[...]
     if name in INPUT_PROJECTIONS and math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
-        return [linear(x, part) for part in jnp.split(weight, bounds, axis=0)]
-    return jnp.split(linear(x, weight), bounds, axis=-1)
+        return tuple(linear(x, part) for part in jnp.split(weight, _part_bounds(cfg, name), axis=0))
+    return (linear(x, weight),)
+
+
+def _part_bounds(cfg: Qwen35Config, name: str) -> list[int]:
+    return list(itertools.accumulate(width for _, width in fused_parts(cfg)[name]))[:-1]
+
+
+def _projections(cfg: Qwen35Config, name: str, module: Linear, x, linear) -> list[jax.Array]:
+    """The outputs of fused projection `name` over x, one per checkpoint part (`_products`, split)."""
+    products = _products(cfg, name, module, x, linear)
+    return list(products) if len(products) > 1 else jnp.split(products[0], _part_bounds(cfg, name), axis=-1)
 
 
 class MLP(nnx.Module):
@@ -156,6 +166,7 @@ class StepContext:
     sin: jax.Array  # [N, rotary_dim]
     kv_page: jax.Array  # [N] page each token's K/V goes to (padding: trash page 0)
     kv_offset: jax.Array  # [N] offset inside that page
+    decode_lengths: jax.Array | None = None  # [B] tokens each decode row attends to, its own included
 
     def split(self, x: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
         """Flat token rows [N, ...] -> (decode [B, ...] or None, prefill [P, T, ...] or None)."""
@@ -248,20 +259,6 @@ class GatedDeltaNet(nnx.Module):
         return self.out_proj.parts(out, ctx.mixers.linear_parts), state, pools
 
 
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def apply_rope(x, cos, sin):
-    """Partial RoPE on the first rotary_dim dims, rotate_half pairs (i, i + rotary_dim/2); x [N, heads, D]."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x_rot = (x_rot * cos).astype(x.dtype) + (rotate_half(x_rot) * sin).astype(x.dtype)
-    return jnp.concatenate([x_rot.astype(x.dtype), x_pass], axis=-1)
-
-
 def rope_tables(positions, cfg: Qwen35Config, dtype):
     """cos/sin [N, rotary_dim], computed in fp32 and cast to the model dtype (as HF)."""
     rot = cfg.rotary_dim
@@ -280,35 +277,26 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
 
-    def _project(self, x, ctx):
-        cfg = self.cfg
-        n, dim = x.shape[0], cfg.head_dim
-        q_gate, k, v = _projections(cfg, "qkv_proj", self.qkv_proj, x, ctx.mixers.linear)
-        # q_proj rows are interleaved per head: [query_h | gate_h] for each head h.
-        q_gate = q_gate.reshape(n, cfg.num_attention_heads, 2 * dim)
-        query, gate = q_gate[..., :dim], q_gate[..., dim:].reshape(n, -1)
-        k = k.reshape(n, cfg.num_key_value_heads, dim)
-        v = v.reshape(n, cfg.num_key_value_heads, dim)
-        q = apply_rope(self.q_norm(query), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_norm(k), ctx.cos, ctx.sin)
-        return q, k, v, gate
-
     def __call__(self, x, cache: KVPages, layer, ctx: StepContext):
-        q, k, v, gate = self._project(x, ctx)
-        k_pages = cache.k_pages.at[layer, ctx.kv_page, ctx.kv_offset].set(k)
-        v_pages = cache.v_pages.at[layer, ctx.kv_page, ctx.kv_offset].set(v)
-        q_d, q_p = ctx.split(q)
+        cfg = self.cfg
+        products = _products(cfg, "qkv_proj", self.qkv_proj, x, ctx.mixers.linear)
+        q, k, gate, k_pages, v_pages = ctx.mixers.attention_inputs(
+            products, self.q_norm.weight[...], self.k_norm.weight[...], ctx.cos, ctx.sin, cache.k_pages,
+            cache.v_pages, layer, ctx.kv_page, ctx.kv_offset, heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads, eps=cfg.rms_norm_eps)  # fmt: skip
+        (_, q_p), (_, gate_p) = ctx.split(q), ctx.split(gate)
         out_d = out_p = None
-        if q_d is not None:
+        if ctx.inputs.decode is not None:  # the decode rows are q's first; gated where the kernel merges its splits
             side = ctx.inputs.decode
-            out_d = ctx.mixers.decode_attention(q_d, k_pages, v_pages, layer, side.page_table, side.positions + 1)
+            out_d = ctx.mixers.decode_attention(q, k_pages, v_pages, layer, side.page_table, ctx.decode_lengths, gate)
         if q_p is not None:
             side = ctx.inputs.prefill
+            _, _, v = split_parts(products, cfg.num_attention_heads, cfg.num_key_value_heads)
             (_, k_p), (_, v_p) = ctx.split(k), ctx.split(v)  # the chunk's own keys, as projected (also paged now)
             out_p = ctx.mixers.prefill_attention(q_p, k_p, v_p, k_pages, v_pages, layer, side.page_table, side.start,
                                                  side.lengths)  # fmt: skip
+            out_p = output_gate(out_p, gate_p)
         out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
-        out = (out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)).astype(x.dtype)
         out = self.o_proj.parts(out, ctx.mixers.linear_parts)
         return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 
@@ -472,7 +460,10 @@ def forward(
     cfg = model.cfg
     cos, sin = rope_tables(_flat(inputs, "positions"), cfg, model.dtype)
     kv_page, kv_offset = _kv_destinations(inputs, cache.page_size)
-    ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset)
+    decode_lengths = None
+    if inputs.decode is not None:  # once a step: XLA's rematerialisation made one kernel of it an attention layer
+        decode_lengths = lax.optimization_barrier(inputs.decode.positions + 1)
+    ctx = StepContext(inputs, mixers, cos, sin, kv_page, kv_offset, decode_lengths)
     h = top.embed(_flat(inputs, "tokens"))
     has_decode = inputs.decode is not None
     states = _gather_prefill_states(cache, inputs, cfg)

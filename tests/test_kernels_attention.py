@@ -43,6 +43,7 @@ from qwen35_jax.kernels.decode_attention import (
     dot_precision,
     empty_softmax_state,
     normalise,
+    output_gate,
     paged_decode_attention_pallas,
     paged_decode_attention_ref,
 )
@@ -133,6 +134,58 @@ def test_decode_groups_that_are_not_a_padded_tile(heads, kv_heads):
     args = decode_case(rng, [9, 40], heads=heads, kv_heads=kv_heads, dim=32, page_size=16, dtype=jnp.float32)
     out = run_decode(args, block_k=16, num_splits=2)
     check_close(out, paged_decode_attention_ref(*args), jnp.float32)
+
+
+def with_gate(rng, args):
+    """args plus an output gate [B, H, D] in q's dtype (normal: sigmoids from ~0.05 to ~0.95)."""
+    q = args[0]
+    return (*args, jnp.asarray(rng.standard_normal(q.shape, np.float32), q.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "3-splits"])
+def test_decode_with_a_gate_merges_and_gates_in_a_kernel(dtype, num_splits):
+    """With the output gate, a power-of-two group's splits are merged and gated by the second kernel: the
+    reference's gated output (`output_gate` after the attention), a padding row included. The bf16 gate adds one
+    rounding of a product by a sigmoid <= 1, inside TOL's two to three ulps."""
+    rng = np.random.default_rng(num_splits)
+    args = with_gate(rng, decode_case(rng, [5, 37, 70], heads=16, kv_heads=4, dim=256, page_size=16, dtype=dtype,
+                                      padding_rows=1))  # fmt: skip
+    tuning = dataclasses.replace(decode_attention_tuning(dtype), block_k=16, num_splits=num_splits)
+    kernel = functools.partial(paged_decode_attention_pallas, interpret=True, tuning=tuning)
+    assert "decode_attention_merge" in str(jax.make_jaxpr(kernel)(*args))
+    out = jax.jit(kernel)(*args)
+    ref = paged_decode_attention_ref(*args)
+    check_close(out, ref, dtype)
+    ungated = paged_decode_attention_ref(*args[:-1])
+    assert np.abs(np.asarray(ref, np.float32) - np.asarray(ungated, np.float32)).max() > 0.1  # the gate mattered
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(output_gate(ungated, args[-1])))
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(16, 4), (6, 1)], ids=["merge-kernel", "padded-group"])
+def test_decode_reads_the_first_rows_of_a_longer_q(heads, kv_heads):
+    """A unified step passes q and the gate of all its tokens, decode rows first: the result is that of the first
+    lengths.shape[0] rows alone, whatever the rows after them hold."""
+    rng = np.random.default_rng(heads)
+    args = with_gate(rng, decode_case(rng, [9, 40], heads=heads, kv_heads=kv_heads, dim=32, page_size=16,
+                                      dtype=jnp.float32))  # fmt: skip
+    q, gate = args[0], args[-1]
+    extra = jnp.asarray(rng.standard_normal((5, *q.shape[1:]), np.float32)) * 100
+    longer = (jnp.concatenate([q, extra]), *args[1:-1], jnp.concatenate([gate, extra]))
+    kernel = jax.jit(functools.partial(paged_decode_attention_pallas, interpret=True))
+    np.testing.assert_array_equal(np.asarray(kernel(*longer)), np.asarray(kernel(*args)))
+    check_close(kernel(*longer), paged_decode_attention_ref(*args), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(paged_decode_attention_ref(*longer)),
+                                  np.asarray(paged_decode_attention_ref(*args)))  # fmt: skip
+
+
+def test_decode_with_a_gate_and_a_padded_group_gates_in_xla():
+    """A group of 6 (padded to the tile in memory) merges in XLA and is gated there: the same result."""
+    rng = np.random.default_rng(6)
+    args = with_gate(rng, decode_case(rng, [9, 40], heads=6, kv_heads=1, dim=32, page_size=16, dtype=jnp.float32))
+    kernel = functools.partial(paged_decode_attention_pallas, interpret=True)
+    assert "decode_attention_merge" not in str(jax.make_jaxpr(kernel)(*args))
+    check_close(jax.jit(kernel)(*args), paged_decode_attention_ref(*args), jnp.float32)
 
 
 def test_decode_reads_nothing_past_length():
@@ -255,6 +308,9 @@ def test_gpu_decode_4b(batch, page_size):
                        padding_rows=1, width=4096 // page_size)  # fmt: skip
     out = jax.jit(paged_decode_attention_pallas)(*args)
     check_close(out, gpu_ref(paged_decode_attention_ref, args), jnp.bfloat16)
+    gated = with_gate(rng, args)  # the merge kernel
+    check_close(jax.jit(paged_decode_attention_pallas)(*gated), gpu_ref(paged_decode_attention_ref, gated),
+                jnp.bfloat16)  # fmt: skip
 
 
 # The 4B GPU prefill cases: a long chunk fresh and after a 1000-token prefix, a short one after 3000 and 7 tokens.
