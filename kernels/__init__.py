@@ -43,7 +43,8 @@ class Mixers(NamedTuple):
     # conv's output, q, k and v side by side
     gdn_decode: object  # (qkv, ba, ba_col, A_log, dt_bias, pool, layer, slots) -> (out, pool): one token, state in
     # the pool; qkv is the conv's output, q, k and v side by side; the gates come from the in_proj's b and a columns
-    # of ba (from column ba_col) and the layer's A_log and dt_bias
+    # of ba (from column ba_col) and the layer's A_log and dt_bias; keywords z, z_col, norm_weight, eps: the output
+    # norm (`gated_rms_norm`) with the gate at columns [z_col, z_col + nv dv) of z, applied to the returned out
     conv_prefill: object  # (x, weight, conv_state, lengths) -> (out, conv_state)
     conv_update: object  # (x, weight, pool, layer, slots) -> (out, pool): one token, conv state in the pool
     decode_attention: object  # (q, k_pages, v_pages, layer, page_table, lengths, gate) -> out * sigmoid(gate): the
@@ -76,7 +77,7 @@ _PALLAS = (
 # Arguments that are Python constants of the model.
 _STATIC = {
     residual_norm_pallas: ("eps",),
-    gdn_decode_pool_gated_pallas: ("ba_col",),
+    gdn_decode_pool_gated_pallas: ("ba_col", "z_col", "eps"),
     attention_inputs_pallas: ("heads", "kv_heads", "eps"),
 }
 PALLAS = Mixers("pallas", *(jax.jit(f, static_argnames=_STATIC.get(f)) for f in _PALLAS))

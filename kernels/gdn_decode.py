@@ -100,6 +100,16 @@ def gdn_gates(a, b, a_log, dt_bias):
     return -jnp.exp(a_log.astype(jnp.float32)) * softplus, beta.astype(b.dtype)
 
 
+def gated_rms_norm(x, weight, gate, eps: float):
+    """The GDN output norm (HF's Qwen3.5 RMSNormGated): w * round(norm(x)) * silu(gate), the weight not zero-centred,
+    rounded to x's dtype where HF rounds; x, gate [..., dv], weight [dv]. The decode kernel runs the same code (the
+    Triton lowering takes jax.nn.silu's logistic as 1 / (1 + exp(-x)))."""
+    x32 = x.astype(jnp.float32)
+    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    scaled = (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(x.dtype)
+    return (scaled.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+
+
 def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x) + EPS)
 
@@ -147,9 +157,11 @@ def gdn_decode_pool_ref(q, k, v, g, beta, pool, layer, slots, trash_slot="last")
     return o, pool.at[layer, slots].set(jnp.where(padding[:, None, None, None], rows, state.astype(pool.dtype)))
 
 
-def _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta, pool_ref, o_ref, new_pool_ref, trash: int):
+def _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta, pool_ref, o_ref, new_pool_ref, trash: int,
+                 finish=None):  # fmt: skip
     """layer_ref [1], slots_ref [B] int32; q_ref, k_ref [dk]; v_ref, o_ref [block_dv]; g, beta fp32 scalars;
-    pool_ref, new_pool_ref the whole [L, S, nv, dk, dv] pool (one buffer on the GPU, aliased)."""
+    pool_ref, new_pool_ref the whole [L, S, nv, dk, dv] pool (one buffer on the GPU, aliased); finish: o [block_dv]
+    in o_ref's dtype -> what o_ref stores (the output norm), or None."""
     row, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_dv = o_ref.shape[0]
     # This program's tile pool[layer, slots[row], head, :, block]. Scalar indices into the pl.ANY ref: the
@@ -164,7 +176,8 @@ def _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta, pool_ref, o
         tile = (layer_ref[0], slot, head, slice(None), pl.ds(block * block_dv, block_dv))
         o, state = _step(q_ref, k_ref, v_ref, g, beta, pool_ref[tile].astype(jnp.float32))
         new_pool_ref[tile] = state.astype(new_pool_ref.dtype)
-        o_ref[...] = o.astype(o_ref.dtype)
+        o = o.astype(o_ref.dtype)
+        o_ref[...] = o if finish is None else finish(o)
 
     @pl.when(padding)
     def _():
@@ -185,6 +198,16 @@ def _gated_pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, b_ref, 
     g, beta = gdn_gates(a_ref[...], b_ref[...], a_log_ref[...], dt_bias_ref[...])
     _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta.astype(jnp.float32), pool_ref, o_ref,
                  new_pool_ref, trash)  # fmt: skip
+
+
+def _gated_normed_pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, b_ref, a_ref, a_log_ref, dt_bias_ref,
+                                     z_ref, norm_weight_ref, pool_ref, o_ref, new_pool_ref, *, trash: int, eps: float):  # fmt: skip
+    """`_gated_pool_decode_kernel` with the output norm applied to the head's whole o (block_dv = dv): z_ref [dv] the
+    row's and head's gate columns of the in_proj's output, norm_weight_ref [dv] (`gated_rms_norm`). A padding row's
+    o stays 0, as the norm of a zero o is 0."""
+    g, beta = gdn_gates(a_ref[...], b_ref[...], a_log_ref[...], dt_bias_ref[...])
+    _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta.astype(jnp.float32), pool_ref, o_ref,
+                 new_pool_ref, trash, finish=lambda o: gated_rms_norm(o, norm_weight_ref[...], z_ref[...], eps))  # fmt: skip
 
 
 def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, trash_slot="last", *, interpret=False,
@@ -268,28 +291,55 @@ def gate_columns(ba, ba_col: int, num_value_heads: int):
             ba[..., ba_col : ba_col + num_value_heads])  # fmt: skip
 
 
-def gdn_decode_pool_gated_ref(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last"):
+def _head_columns(x, col: int, heads: int, dim: int):
+    """Columns [col, col + heads dim) of x [B, W] as [B, heads, dim] (the in_proj's z for the output norm)."""
+    return x[:, col : col + heads * dim].reshape(x.shape[0], heads, dim)
+
+
+def gdn_decode_pool_gated_ref(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last", *,
+                              z=None, z_col: int = 0, norm_weight=None, eps: float = 1e-6):  # fmt: skip
     """`gdn_decode_pool_packed_ref` with its gates made from the in_proj's output: b at columns [ba_col, ba_col +
-    nv) of ba [B, W], a at [ba_col + nv, ba_col + 2 nv), and the layer's A_log and dt_bias [nv] (`gdn_gates`)."""
-    g, beta = gdn_gates(*gate_columns(ba, ba_col, pool.shape[2]), a_log, dt_bias)
-    return gdn_decode_pool_packed_ref(qkv, g, beta, pool, layer, slots, trash_slot)
+    nv) of ba [B, W], a at [ba_col + nv, ba_col + 2 nv), and the layer's A_log and dt_bias [nv] (`gdn_gates`).
+    With norm_weight [dv], o goes through the output norm (`gated_rms_norm`) with the gate z at columns [z_col,
+    z_col + nv dv) of z's first B rows (the in_proj's output: z may hold more rows and other columns)."""
+    num_value_heads, dv = pool.shape[2], pool.shape[-1]
+    g, beta = gdn_gates(*gate_columns(ba, ba_col, num_value_heads), a_log, dt_bias)
+    out, pool = gdn_decode_pool_packed_ref(qkv, g, beta, pool, layer, slots, trash_slot)
+    if norm_weight is not None:
+        out = gated_rms_norm(out, norm_weight, _head_columns(z[: slots.shape[0]], z_col, num_value_heads, dv), eps)
+    return out, pool
 
 
 def gdn_decode_pool_gated_pallas(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last", *,
-                                 interpret=False, tuning: GdnDecodeTuning = GDN_DECODE_TUNING):  # fmt: skip
+                                 z=None, z_col: int = 0, norm_weight=None, eps: float = 1e-6, interpret=False,
+                                 tuning: GdnDecodeTuning = GDN_DECODE_TUNING):  # fmt: skip
     """`gdn_decode_pool_gated_ref` in one kernel: each program reads its row's b and a where the in_proj wrote them
     (a BlockSpec at column ba_col + head; a slice handed over would be copied first) and makes the gates itself,
     where XLA ran two small kernels a GDN layer for them (48 of a 4B batch-1 step's 472, `tools/deviceless_step.py`).
-    Head dims that differ take the gates from XLA and the unpacked kernel."""
+    With norm_weight and a program over a head's whole o (tuning.block_dv >= dv), the output norm is applied in
+    the kernel too, z read in place like b and a (one kernel a GDN layer less); with narrower blocks XLA applies it
+    after. Head dims that differ take the gates from XLA and the unpacked kernel."""
     num_value_heads, dk, dv = pool.shape[2:]
+    fused_norm = norm_weight is not None and tuning.block_dv >= dv and z_col % dv == 0
     if dk != dv:
         g, beta = gdn_gates(*gate_columns(ba, ba_col, num_value_heads), a_log, dt_bias)
-        return gdn_decode_pool_packed_pallas(qkv, g, beta, pool, layer, slots, trash_slot, interpret=interpret,
-                                             tuning=tuning)  # fmt: skip
-    rows, grid, qkv_specs, value_spec, _ = _packed_tiling(qkv, pool, tuning)
-    b_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, ba_col + h))
-    a_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, ba_col + num_value_heads + h))
-    parameter_spec = pl.BlockSpec((None,), lambda b, h, j: (h,))
-    return _pool_call(rows, rows, rows, (ba, ba, a_log, dt_bias), pool, layer, slots, trash_slot, grid, qkv_specs,
-                      value_spec, (b_spec, a_spec, parameter_spec, parameter_spec), tuning, interpret,
-                      kernel=_gated_pool_decode_kernel)  # fmt: skip
+        out, pool = gdn_decode_pool_packed_pallas(qkv, g, beta, pool, layer, slots, trash_slot, interpret=interpret,
+                                                  tuning=tuning)  # fmt: skip
+    else:
+        rows, grid, qkv_specs, value_spec, _ = _packed_tiling(qkv, pool, tuning)
+        b_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, ba_col + h))
+        a_spec = pl.BlockSpec((None, None), lambda b, h, j: (b, ba_col + num_value_heads + h))
+        parameter_spec = pl.BlockSpec((None,), lambda b, h, j: (h,))
+        heads, head_specs = (ba, ba, a_log, dt_bias), (b_spec, a_spec, parameter_spec, parameter_spec)
+        kernel = _gated_pool_decode_kernel
+        if fused_norm:
+            # z's head h: block z_col / dv + h of dv columns (z_col is a multiple of dv; the row may be wider).
+            z_spec = pl.BlockSpec((None, dv), lambda b, h, j: (b, z_col // dv + h))
+            weight_spec = pl.BlockSpec((dv,), lambda b, h, j: (0,))
+            heads, head_specs = (*heads, z, norm_weight), (*head_specs, z_spec, weight_spec)
+            kernel = functools.partial(_gated_normed_pool_decode_kernel, eps=eps)
+        out, pool = _pool_call(rows, rows, rows, heads, pool, layer, slots, trash_slot, grid, qkv_specs, value_spec,
+                               head_specs, tuning, interpret, kernel=kernel)  # fmt: skip
+    if norm_weight is not None and not fused_norm:
+        out = gated_rms_norm(out, norm_weight, _head_columns(z[: slots.shape[0]], z_col, num_value_heads, dv), eps)
+    return out, pool

@@ -31,7 +31,7 @@ from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
 from qwen35_jax.kernels.attention_inputs import split_parts
 from qwen35_jax.kernels.decode_attention import output_gate
-from qwen35_jax.kernels.gdn_decode import gate_columns, gdn_gates
+from qwen35_jax.kernels.gdn_decode import gate_columns, gated_rms_norm, gdn_gates
 from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref
 from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
 
@@ -106,17 +106,15 @@ class RMSNorm(nnx.Module):
 
 
 class GatedRMSNorm(nnx.Module):
-    """The GDN output norm: w * round(norm(o)) * silu(z), the weight not zero-centred (HF rounding order)."""
+    """The GDN output norm: w * round(norm(o)) * silu(z), the weight not zero-centred (HF rounding order;
+    `gated_rms_norm`). The decode rows' norm runs inside the GDN decode kernel where its tiling allows."""
 
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = _param((dim,), dtype)
         self.eps = eps
 
     def __call__(self, x, gate):
-        x32 = x.astype(jnp.float32)
-        normed = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
-        scaled = (self.weight[...] * normed).astype(x.dtype)
-        return (scaled.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+        return gated_rms_norm(x, self.weight[...], gate, self.eps)
 
 
 def _fused_linear(cfg: Qwen35Config, name: str, in_features: int, dtype) -> Linear:
@@ -208,9 +206,9 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(cfg.gdn_value_dim, cfg.hidden_size, dtype)
 
     def _in_projections(self, x, linear):
-        """(the product whose first conv_dim columns are the conv's input, z, the array holding b and then a, the
-        column b starts at). The conv and GDN decode kernels read their columns where the product wrote them: a
-        slice handed to them would be copied first (12 us a layer at 1024 tokens on the H200). Over more than
+        """(the product whose first conv_dim columns are the conv's input and the next gdn_value_dim z, the array
+        holding b and then a, the column b starts at). The conv and GDN decode kernels read their columns where the
+        product wrote them: a slice handed to them would be copied first (12 us a layer at 1024 tokens on the H200). Over more than
         FUSED_QKV_MAX_ROWS rows the conv input and z, whose width tiles well, are one product and b and a another;
         up to it, all four are one."""
         cfg = self.cfg
@@ -221,16 +219,18 @@ class GatedDeltaNet(nnx.Module):
         else:
             product = ba = linear(x, weight)
             ba_col = qkvz
-        return product, product[..., cfg.conv_dim : qkvz], ba, ba_col
+        return product, ba, ba_col
 
-    def _decode(self, ctx, mixed, ba, ba_col: int, pools, layer):
+    def _decode(self, ctx, mixed, ba, ba_col: int, product, pools, layer):
         """The decode rows' conv and recurrent states are updated where they live, in the slot pools: one read
         and one write of each (gathering them into the step and scattering them back took three). The GDN kernel
-        makes the gates from b and a itself."""
+        makes the gates from b and a itself, and applies the output norm with z read from the whole product (the
+        decode rows are its first rows). Returns the normed output [B, nv, dv]."""
         slots, weight = ctx.inputs.decode.slots, self.conv1d.weight[...][:, 0, :]
         mixed, conv_pool = ctx.mixers.conv_update(mixed, weight, pools.conv, layer, slots)
         out, ssm_pool = ctx.mixers.gdn_decode(mixed, ba, ba_col, self.A_log[...], self.dt_bias[...], pools.ssm, layer,
-                                              slots)  # fmt: skip
+                                              slots, z=product, z_col=self.cfg.conv_dim,
+                                              norm_weight=self.norm.weight[...], eps=self.norm.eps)  # fmt: skip
         return out, dataclasses.replace(pools, ssm=ssm_pool, conv=conv_pool)
 
     def _prefill(self, ctx, mixed, g, beta, state: GdnState):
@@ -243,19 +243,21 @@ class GatedDeltaNet(nnx.Module):
         """x [N, hidden]; state: this layer's prefill rows' states (None in a step without prefill rows); the decode
         rows' states are GDN layer `layer` of pools.ssm and pools.conv. Returns (out_proj's output as partial sums,
         new state, pools)."""
-        mixed, z, ba, ba_col = self._in_projections(x, ctx.mixers.linear)
-        (mixed_d, mixed_p), (ba_d, ba_p) = ctx.split(mixed), ctx.split(ba)
+        cfg = self.cfg
+        product, ba, ba_col = self._in_projections(x, ctx.mixers.linear)
+        (mixed_d, mixed_p), (ba_d, ba_p) = ctx.split(product), ctx.split(ba)
         outs = []
         if mixed_d is not None:
-            out, pools = self._decode(ctx, mixed_d, ba_d, ba_col, pools, layer)
-            outs.append(out.reshape(-1, *out.shape[-2:]))
+            out, pools = self._decode(ctx, mixed_d, ba_d, ba_col, product, pools, layer)
+            outs.append(out.reshape(out.shape[0], -1))
         if mixed_p is not None:
-            a, b = gate_columns(ba_p, ba_col, self.cfg.linear_num_value_heads)
+            a, b = gate_columns(ba_p, ba_col, cfg.linear_num_value_heads)
             g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
             out, state = self._prefill(ctx, mixed_p, g, beta, state)
-            outs.append(out.reshape(-1, *out.shape[-2:]))
-        out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv, dv]
-        out = self.norm(out, z.reshape(out.shape)).reshape(x.shape[0], -1)
+            out = out.reshape(-1, *out.shape[-2:])  # [P T, nv, dv]
+            z = ctx.split(product[..., cfg.conv_dim : cfg.conv_dim + cfg.gdn_value_dim])[1]
+            outs.append(self.norm(out, z.reshape(out.shape)).reshape(out.shape[0], -1))
+        out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, nv dv]
         return self.out_proj.parts(out, ctx.mixers.linear_parts), state, pools
 
 

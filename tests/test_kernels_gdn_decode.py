@@ -34,6 +34,7 @@ from _lowering import lower_for_h200
 
 from qwen35_jax.kernels.gdn_decode import (
     GDN_DECODE_TUNING,
+    gated_rms_norm,
     gdn_decode_pool_gated_pallas,
     gdn_decode_pool_gated_ref,
     gdn_decode_pool_packed_pallas,
@@ -463,3 +464,59 @@ def test_gated_kernel_makes_the_gates_from_the_in_proj_columns(dtype, nk, nv, dk
     g, beta = gdn_gates(ba[:, ba_col + nv : ba_col + 2 * nv], ba[:, ba_col : ba_col + nv], a_log, dt_bias)
     np.testing.assert_array_equal(np.float32(ref_out), np.float32(gdn_decode_pool_packed_ref(qkv, g, beta, pool, 1,
                                                                                               slots)[0]))  # fmt: skip
+
+
+# The output norm after the step: o, computed in a different order, can round one bf16 step apart on each side of
+# a rounding boundary; the norm's scale, its weight product and its silu(z) product each round once more, so up to
+# four steps of 2^-7 (2^-5 relative) in bf16, fp32 rounding alone (OUT_TOL) in fp32. A wrong z column, head or
+# weight moves values by O(1).
+NORMED_OUT_TOL = {jnp.float32: OUT_TOL[jnp.float32], jnp.bfloat16: dict(atol=1e-5, rtol=2**-5)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_dv", [32, 16], ids=["norm-in-kernel", "norm-after"])
+def test_gated_kernel_applies_the_output_norm(dtype, block_dv):
+    """With norm_weight, the gated entry point returns o through the output norm, the gate z read at columns
+    [z_col, z_col + nv dv) of a wider product with more rows than the step's (as the model hands it over): in the
+    kernel when a program holds a head's whole o (block_dv = dv), after it otherwise. Both equal the normed
+    reference, and that is `gated_rms_norm` of the plain reference's o; the padding row stays 0."""
+    rng = np.random.default_rng(23)
+    nk, nv, dk, dv = 2, 4, 32, 32
+    pool, real, trash = pool_case(rng, 3, nv, dk, dv)
+    slots = jnp.asarray(np.concatenate([rng.permutation(real), [trash]]), jnp.int32)
+    q, k, v, _, _ = step_inputs(jax.random.PRNGKey(24), 4, nk, nv, dk, dv, dtype)
+    qkv = jnp.concatenate([q.reshape(4, -1), k.reshape(4, -1), v.reshape(4, -1)], axis=-1)
+    ba, ba_col, a_log, dt_bias = gated_inputs(rng, 4, nv, dtype)
+    z_col = 2 * dv
+    product = jnp.asarray(rng.standard_normal((6, z_col + nv * dv + 7)), dtype)  # 2 rows more, columns around z
+    weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(dv), dtype)
+    norm = dict(z=product, z_col=z_col, norm_weight=weight, eps=1e-6)
+    tuning = dataclasses.replace(GDN_DECODE_TUNING, block_dv=block_dv)
+    kernel = jax.jit(lambda *a, **kw: gdn_decode_pool_gated_pallas(*a, interpret=True, tuning=tuning, **kw),
+                     static_argnames=("ba_col", "z_col", "eps"))  # fmt: skip
+    out, new_pool = kernel(qkv, ba, pool=pool, layer=1, slots=slots, ba_col=ba_col, a_log=a_log, dt_bias=dt_bias,
+                           **norm)  # fmt: skip
+    ref_out, ref_pool = gdn_decode_pool_gated_ref(qkv, ba, ba_col, a_log, dt_bias, pool, 1, slots, **norm)
+    np.testing.assert_allclose(np.float32(out), np.float32(ref_out), **NORMED_OUT_TOL[dtype])
+    np.testing.assert_allclose(np.float32(new_pool), np.float32(ref_pool), **STATE_TOL)
+    assert not np.any(np.float32(out)[-1]), "the padding row's output is 0"
+    plain, _ = gdn_decode_pool_gated_ref(qkv, ba, ba_col, a_log, dt_bias, pool, 1, slots)
+    z = product[:4, z_col : z_col + nv * dv].reshape(4, nv, dv)
+    np.testing.assert_array_equal(np.float32(ref_out), np.float32(gated_rms_norm(plain, weight, z, 1e-6)))
+    assert np.abs(np.float32(ref_out) - np.float32(plain)).max() > 0.1  # the norm did something
+
+
+def test_gated_rms_norm_is_hf_s_order():
+    """HF's RMSNormGated: the normalised x rounded to its dtype, times the weight (not zero-centred), rounded, times
+    silu(z) in fp32, rounded; a zero x gives 0."""
+    rng = np.random.default_rng(25)
+    x, z = (jnp.asarray(rng.standard_normal((3, 16)), jnp.bfloat16) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal(16), jnp.bfloat16)
+    x32 = np.float32(x)
+    normed = jnp.asarray(x32 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6), jnp.bfloat16)
+    scaled = jnp.asarray(np.float32(w) * np.float32(normed), jnp.bfloat16)
+    z32 = np.float32(z)
+    want = jnp.asarray(np.float32(scaled) * z32 / (1 + np.exp(-z32)), jnp.bfloat16)
+    got = gated_rms_norm(x, w, z, 1e-6)
+    np.testing.assert_allclose(np.float32(got), np.float32(want), atol=1e-6, rtol=2**-7)  # numpy's sqrt/exp order
+    assert not np.any(np.float32(gated_rms_norm(jnp.zeros_like(x), w, z, 1e-6)))
