@@ -43,10 +43,11 @@ class Mixers(NamedTuple):
     # conv's output, q, k and v side by side
     gdn_decode: object  # (qkv, ba, ba_col, A_log, dt_bias, pool, layer, slots) -> (out, pool): one token, state in
     # the pool; qkv is the conv's output, q, k and v side by side; the gates come from the in_proj's b and a columns
-    # of ba (from column ba_col) and the layer's A_log and dt_bias; keywords z, z_col, norm_weight, eps: the output
+    # of ba's first B rows (from column ba_col) and the layer's A_log and dt_bias; keywords z, z_col, norm_weight, eps: the output
     # norm (`gated_rms_norm`) with the gate at columns [z_col, z_col + nv dv) of z, applied to the returned out
     conv_prefill: object  # (x, weight, conv_state, lengths) -> (out, conv_state)
-    conv_update: object  # (x, weight, pool, layer, slots) -> (out, pool): one token, conv state in the pool
+    conv_update: object  # (x, weight, pool, layer, slots) -> (out, pool): one token, conv state in the pool; the
+    # first slots.shape[0] rows of x
     decode_attention: object  # (q, k_pages, v_pages, layer, page_table, lengths, gate) -> out * sigmoid(gate): the
     # first lengths.shape[0] rows of q and gate
     prefill_attention: object  # (q, k, v, k_pages, v_pages, layer, page_table, start, lengths): chunk + prefix

@@ -5,9 +5,10 @@ from the conv state (the last K-1 inputs seen), or zeros for a fresh sequence. C
 Rounding follows HF: the conv result is rounded to the model dtype before the SiLU.
 
 Layouts:
-    x          [P, T, C'] (prefill) or [B, C'] (one-token update), model dtype, C' >= C: the conv reads x's first C
-               columns, so the GDN's input projection hands over its whole product (conv input, then z, b and a)
-               and no copy slices the conv's columns out of it for the kernel
+    x          [P, T, C'] (prefill) or [B', C'] (one-token update, B' >= B), model dtype, C' >= C: the conv reads x's
+               first C columns (and the update its first B rows, B = slots.shape[0]), so the GDN's input projection
+               hands over its whole product (conv input, then z, b and a; decode rows first in a step with prefill
+               rows) and no copy slices the conv's columns or rows out of it for the kernel
     weight     [C, K] model dtype
     conv_state [rows, K-1, C] model dtype, oldest input first (zeros for a fresh sequence)
     lengths    [P] valid tokens per row
@@ -120,8 +121,9 @@ def _update_window(window: list, weight_ref, y_ref) -> list:
 
 
 def causal_conv1d_update_pool_ref(x, weight, pool, layer, slots):
-    """`causal_conv1d_update_ref` on the rows pool[layer, slots[b]]; returns (y, pool with those rows replaced)."""
-    y, state = causal_conv1d_update_ref(x, weight, pool[layer, slots])
+    """`causal_conv1d_update_ref` on the rows pool[layer, slots[b]] and x's first B = slots.shape[0] rows; returns
+    (y [B, C], pool with those rows replaced)."""
+    y, state = causal_conv1d_update_ref(x[: slots.shape[0]], weight, pool[layer, slots])
     return y, pool.at[layer, slots].set(state)
 
 
@@ -144,8 +146,9 @@ def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret
                                      tuning: ConvUpdateTuning = CONV_UPDATE_TUNING):  # fmt: skip
     """Pallas version of `causal_conv1d_update_pool_ref` (module notes, in-pool update). Not jitted: the kernel
     set jits it once (kernels.PALLAS)."""
-    batch, channels, taps = x.shape[0], *weight.shape
+    batch, channels, taps = slots.shape[0], *weight.shape
     assert pool.shape[2:] == (taps - 1, channels) and x.shape[1] >= channels, (x.shape, pool.shape, weight.shape)
+    assert x.shape[0] >= batch, (x.shape, slots.shape)
     block_c = _block(channels, tuning.block_c)
     row_spec = pl.BlockSpec((None, block_c), lambda b, c: (b, c))
     whole = pl.BlockSpec(memory_space=pl.ANY)  # the kernel finds its rows from slots

@@ -299,11 +299,11 @@ def _head_columns(x, col: int, heads: int, dim: int):
 def gdn_decode_pool_gated_ref(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last", *,
                               z=None, z_col: int = 0, norm_weight=None, eps: float = 1e-6):  # fmt: skip
     """`gdn_decode_pool_packed_ref` with its gates made from the in_proj's output: b at columns [ba_col, ba_col +
-    nv) of ba [B, W], a at [ba_col + nv, ba_col + 2 nv), and the layer's A_log and dt_bias [nv] (`gdn_gates`).
-    With norm_weight [dv], o goes through the output norm (`gated_rms_norm`) with the gate z at columns [z_col,
+    nv) of ba [B', W] (its first B rows: B' >= B = slots.shape[0]), a at [ba_col + nv, ba_col + 2 nv), and the
+    layer's A_log and dt_bias [nv] (`gdn_gates`). With norm_weight [dv], o goes through the output norm (`gated_rms_norm`) with the gate z at columns [z_col,
     z_col + nv dv) of z's first B rows (the in_proj's output: z may hold more rows and other columns)."""
     num_value_heads, dv = pool.shape[2], pool.shape[-1]
-    g, beta = gdn_gates(*gate_columns(ba, ba_col, num_value_heads), a_log, dt_bias)
+    g, beta = gdn_gates(*gate_columns(ba[: slots.shape[0]], ba_col, num_value_heads), a_log, dt_bias)
     out, pool = gdn_decode_pool_packed_ref(qkv, g, beta, pool, layer, slots, trash_slot)
     if norm_weight is not None:
         out = gated_rms_norm(out, norm_weight, _head_columns(z[: slots.shape[0]], z_col, num_value_heads, dv), eps)
@@ -322,7 +322,7 @@ def gdn_decode_pool_gated_pallas(qkv, ba, ba_col: int, a_log, dt_bias, pool, lay
     num_value_heads, dk, dv = pool.shape[2:]
     fused_norm = norm_weight is not None and tuning.block_dv >= dv and z_col % dv == 0
     if dk != dv:
-        g, beta = gdn_gates(*gate_columns(ba, ba_col, num_value_heads), a_log, dt_bias)
+        g, beta = gdn_gates(*gate_columns(ba[: slots.shape[0]], ba_col, num_value_heads), a_log, dt_bias)
         out, pool = gdn_decode_pool_packed_pallas(qkv, g, beta, pool, layer, slots, trash_slot, interpret=interpret,
                                                   tuning=tuning)  # fmt: skip
     else:

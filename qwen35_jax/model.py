@@ -221,13 +221,14 @@ class GatedDeltaNet(nnx.Module):
             ba_col = qkvz
         return product, ba, ba_col
 
-    def _decode(self, ctx, mixed, ba, ba_col: int, product, pools, layer):
+    def _decode(self, ctx, product, ba, ba_col: int, pools, layer):
         """The decode rows' conv and recurrent states are updated where they live, in the slot pools: one read
-        and one write of each (gathering them into the step and scattering them back took three). The GDN kernel
-        makes the gates from b and a itself, and applies the output norm with z read from the whole product (the
-        decode rows are its first rows). Returns the normed output [B, nv, dv]."""
+        and one write of each (gathering them into the step and scattering them back took three). The kernels take
+        the whole product and ba and read their first B rows (the decode rows): slices would be copies. The GDN
+        kernel makes the gates from b and a itself, and applies the output norm with z read from the product.
+        Returns the normed output [B, nv, dv]."""
         slots, weight = ctx.inputs.decode.slots, self.conv1d.weight[...][:, 0, :]
-        mixed, conv_pool = ctx.mixers.conv_update(mixed, weight, pools.conv, layer, slots)
+        mixed, conv_pool = ctx.mixers.conv_update(product, weight, pools.conv, layer, slots)
         out, ssm_pool = ctx.mixers.gdn_decode(mixed, ba, ba_col, self.A_log[...], self.dt_bias[...], pools.ssm, layer,
                                               slots, z=product, z_col=self.cfg.conv_dim,
                                               norm_weight=self.norm.weight[...], eps=self.norm.eps)  # fmt: skip
@@ -245,12 +246,12 @@ class GatedDeltaNet(nnx.Module):
         new state, pools)."""
         cfg = self.cfg
         product, ba, ba_col = self._in_projections(x, ctx.mixers.linear)
-        (mixed_d, mixed_p), (ba_d, ba_p) = ctx.split(product), ctx.split(ba)
         outs = []
-        if mixed_d is not None:
-            out, pools = self._decode(ctx, mixed_d, ba_d, ba_col, product, pools, layer)
+        if ctx.inputs.decode is not None:
+            out, pools = self._decode(ctx, product, ba, ba_col, pools, layer)
             outs.append(out.reshape(out.shape[0], -1))
-        if mixed_p is not None:
+        if ctx.inputs.prefill is not None:
+            mixed_p, ba_p = ctx.split(product)[1], ctx.split(ba)[1]
             a, b = gate_columns(ba_p, ba_col, cfg.linear_num_value_heads)
             g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
             out, state = self._prefill(ctx, mixed_p, g, beta, state)

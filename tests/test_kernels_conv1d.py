@@ -176,6 +176,20 @@ def test_update_pool_ref_is_gather_update_scatter():
     np.testing.assert_array_equal(np.asarray(new_pool), expected_pool)
 
 
+def test_update_reads_the_first_rows_of_a_taller_input():
+    """In a step with prefill rows the model hands the update the whole product, decode rows first: kernel and
+    reference read its first B = slots.shape[0] rows (3 more rows of NaN here change nothing, bit for bit) and give
+    y [B, C]."""
+    pool, slots, _ = pool_case(5, 4, 64, jnp.bfloat16, 0)
+    x, weight, _ = conv_inputs(jax.random.PRNGKey(5), (4,), 64, jnp.bfloat16)
+    tall = jnp.concatenate([x, jnp.full((3, 64), jnp.nan, x.dtype)])
+    for fn in (causal_conv1d_update_pool_ref, lambda *a: causal_conv1d_update_pool_pallas(*a, interpret=True)):
+        for got, want in zip(fn(tall, weight, pool, jnp.int32(1), slots), fn(x, weight, pool, jnp.int32(1), slots),
+                             strict=True):  # fmt: skip
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_both_kernels_read_the_first_columns_of_a_wider_input():
     """The model hands the conv its input projection's whole product (the conv's C columns, then z, b and a): the
     kernels and the references on x with 200 more columns of garbage (NaN) give what they give on x itself, bit for

@@ -477,7 +477,7 @@ NORMED_OUT_TOL = {jnp.float32: OUT_TOL[jnp.float32], jnp.bfloat16: dict(atol=1e-
 @pytest.mark.parametrize("block_dv", [32, 16], ids=["norm-in-kernel", "norm-after"])
 def test_gated_kernel_applies_the_output_norm(dtype, block_dv):
     """With norm_weight, the gated entry point returns o through the output norm, the gate z read at columns
-    [z_col, z_col + nv dv) of a wider product with more rows than the step's (as the model hands it over): in the
+    [z_col, z_col + nv dv) of a wider product with more rows than the step's (as the model hands it and b, a over): in the
     kernel when a program holds a head's whole o (block_dv = dv), after it otherwise. Both equal the normed
     reference, and that is `gated_rms_norm` of the plain reference's o; the padding row stays 0."""
     rng = np.random.default_rng(23)
@@ -486,7 +486,7 @@ def test_gated_kernel_applies_the_output_norm(dtype, block_dv):
     slots = jnp.asarray(np.concatenate([rng.permutation(real), [trash]]), jnp.int32)
     q, k, v, _, _ = step_inputs(jax.random.PRNGKey(24), 4, nk, nv, dk, dv, dtype)
     qkv = jnp.concatenate([q.reshape(4, -1), k.reshape(4, -1), v.reshape(4, -1)], axis=-1)
-    ba, ba_col, a_log, dt_bias = gated_inputs(rng, 4, nv, dtype)
+    ba, ba_col, a_log, dt_bias = gated_inputs(rng, 6, nv, dtype)  # 2 rows more too (the prefill rows')
     z_col = 2 * dv
     product = jnp.asarray(rng.standard_normal((6, z_col + nv * dv + 7)), dtype)  # 2 rows more, columns around z
     weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(dv), dtype)
