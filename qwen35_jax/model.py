@@ -362,8 +362,12 @@ class Embedding(nnx.Module):
 
     def logits(self, h):
         """[R, hidden] -> fp32 logits [R, vocab] (fp32 accumulation; HF rounds them to the model dtype)."""
+        return self.head_logits(self.norm(h))
+
+    def head_logits(self, x):
+        """The lm_head's product of the final norm's output x [R, hidden] (`logits`)."""
         head = self.lm_head.weight if hasattr(self, "lm_head") else self.embed_tokens.weight
-        return lax.dot_general(self.norm(h), head[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return lax.dot_general(x, head[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 @jax.tree_util.register_dataclass
@@ -481,7 +485,6 @@ def forward(
 
     xs = (params["groups"], jnp.arange(cfg.num_groups, dtype=jnp.int32), states)
     (h, pending, kv), states = _layer_loop(body, (h, _no_pending(h, cfg, mixers), kv), xs)
-    h = h + residual_delta(pending, h.dtype)
     ssm_pool, conv_pool = (kv.ssm, kv.conv) if has_decode else (cache.ssm, cache.conv)
     if states is not None:  # the prefill rows' states go back to their slots
         slots = inputs.prefill.slots
@@ -490,6 +493,9 @@ def forward(
             for pool, rows in ((ssm_pool, states.ssm), (conv_pool, states.conv))
         )
     cache = Cache(k_pages=kv.k_pages, v_pages=kv.v_pages, ssm=ssm_pool, conv=conv_pool)
+    if inputs.prefill is None:  # every row's logits: the last MLP's add fused with the final norm, as in the layers
+        return top.head_logits(top.norm.after_residual(h, pending, mixers)[1]), cache
+    h = h + residual_delta(pending, h.dtype)
     return top.logits(h[_logit_rows(inputs, all_prefill_logits)]), cache
 
 
