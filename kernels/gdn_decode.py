@@ -298,10 +298,11 @@ def _head_columns(x, col: int, heads: int, dim: int):
 
 def gdn_decode_pool_gated_ref(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last", *,
                               z=None, z_col: int = 0, norm_weight=None, eps: float = 1e-6):  # fmt: skip
-    """`gdn_decode_pool_packed_ref` with its gates made from the in_proj's output: b at columns [ba_col, ba_col +
-    nv) of ba [B', W] (its first B rows: B' >= B = slots.shape[0]), a at [ba_col + nv, ba_col + 2 nv), and the
-    layer's A_log and dt_bias [nv] (`gdn_gates`). With norm_weight [dv], o goes through the output norm (`gated_rms_norm`) with the gate z at columns [z_col,
-    z_col + nv dv) of z's first B rows (the in_proj's output: z may hold more rows and other columns)."""
+    """`gdn_decode_pool_packed_ref` with its gates made from the in_proj's output: b at columns [ba_col, ba_col + nv) of
+    ba [B', W] (its first B rows: B' >= B = slots.shape[0]), a at [ba_col + nv, ba_col + 2 nv), and the layer's A_log
+    and dt_bias [nv] (`gdn_gates`). With norm_weight [dv], o goes through the output norm (`gated_rms_norm`) with the
+    gate z at columns [z_col, z_col + nv dv) of z's first B rows (the in_proj's output: z may hold more rows and other
+    columns)."""
     num_value_heads, dv = pool.shape[2], pool.shape[-1]
     g, beta = gdn_gates(*gate_columns(ba[: slots.shape[0]], ba_col, num_value_heads), a_log, dt_bias)
     out, pool = gdn_decode_pool_packed_ref(qkv, g, beta, pool, layer, slots, trash_slot)

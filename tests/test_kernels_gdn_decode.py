@@ -476,10 +476,10 @@ NORMED_OUT_TOL = {jnp.float32: OUT_TOL[jnp.float32], jnp.bfloat16: dict(atol=1e-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_dv", [32, 16], ids=["norm-in-kernel", "norm-after"])
 def test_gated_kernel_applies_the_output_norm(dtype, block_dv):
-    """With norm_weight, the gated entry point returns o through the output norm, the gate z read at columns
-    [z_col, z_col + nv dv) of a wider product with more rows than the step's (as the model hands it and b, a over): in the
-    kernel when a program holds a head's whole o (block_dv = dv), after it otherwise. Both equal the normed
-    reference, and that is `gated_rms_norm` of the plain reference's o; the padding row stays 0."""
+    """With norm_weight, the gated entry point returns o through the output norm, the gate z read at columns [z_col,
+    z_col + nv dv) of a wider product with more rows than the step's (as the model hands it and b, a over): in the
+    kernel when a program holds a head's whole o (block_dv = dv), after it otherwise. Both equal the normed reference,
+    and that is `gated_rms_norm` of the plain reference's o; the padding row stays 0."""
     rng = np.random.default_rng(23)
     nk, nv, dk, dv = 2, 4, 32, 32
     pool, real, trash = pool_case(rng, 3, nv, dk, dv)
