@@ -291,9 +291,10 @@ def gate_columns(ba, ba_col: int, num_value_heads: int):
             ba[..., ba_col : ba_col + num_value_heads])  # fmt: skip
 
 
-def _head_columns(x, col: int, heads: int, dim: int):
-    """Columns [col, col + heads dim) of x [B, W] as [B, heads, dim] (the in_proj's z for the output norm)."""
-    return x[:, col : col + heads * dim].reshape(x.shape[0], heads, dim)
+def _output_norm(out, z, z_col: int, norm_weight, eps: float):
+    """`gated_rms_norm` of out [B, nv, dv] with the gate at columns [z_col, z_col + nv dv) of z's first B rows."""
+    batch, heads, dim = out.shape
+    return gated_rms_norm(out, norm_weight, z[:batch, z_col : z_col + heads * dim].reshape(out.shape), eps)
 
 
 def gdn_decode_pool_gated_ref(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last", *,
@@ -303,12 +304,9 @@ def gdn_decode_pool_gated_ref(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer,
     and dt_bias [nv] (`gdn_gates`). With norm_weight [dv], o goes through the output norm (`gated_rms_norm`) with the
     gate z at columns [z_col, z_col + nv dv) of z's first B rows (the in_proj's output: z may hold more rows and other
     columns)."""
-    num_value_heads, dv = pool.shape[2], pool.shape[-1]
-    g, beta = gdn_gates(*gate_columns(ba[: slots.shape[0]], ba_col, num_value_heads), a_log, dt_bias)
+    g, beta = gdn_gates(*gate_columns(ba[: slots.shape[0]], ba_col, pool.shape[2]), a_log, dt_bias)
     out, pool = gdn_decode_pool_packed_ref(qkv, g, beta, pool, layer, slots, trash_slot)
-    if norm_weight is not None:
-        out = gated_rms_norm(out, norm_weight, _head_columns(z[: slots.shape[0]], z_col, num_value_heads, dv), eps)
-    return out, pool
+    return (out if norm_weight is None else _output_norm(out, z, z_col, norm_weight, eps)), pool
 
 
 def gdn_decode_pool_gated_pallas(qkv, ba, ba_col: int, a_log, dt_bias, pool, layer, slots, trash_slot="last", *,
@@ -342,5 +340,5 @@ def gdn_decode_pool_gated_pallas(qkv, ba, ba_col: int, a_log, dt_bias, pool, lay
         out, pool = _pool_call(rows, rows, rows, heads, pool, layer, slots, trash_slot, grid, qkv_specs, value_spec,
                                head_specs, tuning, interpret, kernel=kernel)  # fmt: skip
     if norm_weight is not None and not fused_norm:
-        out = gated_rms_norm(out, norm_weight, _head_columns(z[: slots.shape[0]], z_col, num_value_heads, dv), eps)
+        out = _output_norm(out, z, z_col, norm_weight, eps)
     return out, pool
