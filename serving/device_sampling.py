@@ -128,10 +128,30 @@ def _logprob_of(logits: jax.Array, tokens: jax.Array, lse: jax.Array | None = No
     return picked - (jax.nn.logsumexp(logits, axis=-1) if lse is None else lse)
 
 
+def _first_max_and_sum(a, b):
+    """Combines two (max, sum of exp(x - max), index of the first max) partials of a row: one pass over the logits
+    gives the argmax and the log-sum-exp. NaN wins and the lower index wins ties, as jnp.argmax."""
+    a_max, a_sum, a_index = a
+    b_max, b_sum, b_index = b
+    take_a = (a_max > b_max) | (a_max != a_max)
+    top = jnp.where(take_a, a_max, b_max)
+
+    def rescaled(partial_max, partial_sum):  # an empty partial (sum 0, max -inf) adds 0, not exp(-inf + inf)
+        return jnp.where(partial_sum == 0, 0.0, partial_sum * jnp.exp(partial_max - top))
+
+    index = jnp.where(take_a | ((a_max == b_max) & (a_index < b_index)), a_index, b_index)
+    return top, rescaled(a_max, a_sum) + rescaled(b_max, b_sum), index
+
+
 def greedy(logits: jax.Array):
-    """logits [R, V] fp32 -> (argmax tokens [R] int32, their logprobs [R])."""
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return tokens, _logprob_of(logits, tokens)
+    """logits [R, V] fp32 -> (argmax tokens [R] int32, their logprobs [R]). The chosen logit is the row's max, so
+    its logprob is -log sum exp(logits - max): one reduction finds both. Separately (argmax, then a gather and a
+    logsumexp) they read the [R, V] logits three times, 5-6 kernels where this is 3; at batch 256 each pass over
+    the 254 MB of fp32 logits takes ~55 us of the H200's bandwidth."""
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0, logits.dtype), jnp.int32(0))
+    _, total, tokens = jax.lax.reduce((logits, jnp.ones_like(logits), index), init, _first_max_and_sum, (1,))
+    return tokens, -jnp.log(total)
 
 
 def top_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int):

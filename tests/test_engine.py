@@ -1022,6 +1022,19 @@ def test_logprobs_are_the_log_softmax():
     np.testing.assert_allclose(top_lp, np.take_along_axis(want, top_ids, axis=-1), atol=2e-5, rtol=0)
 
 
+def test_greedy_takes_the_first_argmax_and_its_log_softmax():
+    logits = random_logits(4, 5000, seed=3, scale=10.0)
+    logits[1, [7, 4000]] = logits[1].max() + 1.0  # tied maxima: the lower index wins, as np.argmax
+    logits[2] = 0.5  # a flat row: token 0, logprob -log(5000)
+    logits[3, 123] = 200.0  # one token holds all the mass: its logprob rounds to 0, not to a NaN
+    tokens, chosen = (np.asarray(x) for x in jax.jit(device_sampling.greedy)(logits))
+    assert tokens.tolist() == np.argmax(logits, axis=-1).tolist() == [tokens[0], 7, 0, 123]
+    want = log_softmax(logits.astype(np.float64))[np.arange(4), tokens]
+    # One fp32 pass that rescales its partial sums as the max grows: a few ulps of a log-sum-exp of ~10 (2e-5
+    # as the test above).
+    np.testing.assert_allclose(chosen, want, atol=2e-5, rtol=0)
+
+
 def test_draws_depend_on_seed_and_output_index_not_on_the_row():
     """Randomness is keyed by (seed, output index): the same keys give the same tokens in any row order and
     beside any other rows; another output index gives other tokens."""
