@@ -1022,16 +1022,17 @@ def test_logprobs_are_the_log_softmax():
     np.testing.assert_allclose(top_lp, np.take_along_axis(want, top_ids, axis=-1), atol=2e-5, rtol=0)
 
 
-def test_greedy_takes_the_first_argmax_and_its_log_softmax():
-    logits = random_logits(4, 5000, seed=3, scale=10.0)
+@pytest.mark.parametrize("rows", [4, device_sampling.ONE_PASS_GREEDY_ROWS])  # both of greedy's forms
+def test_greedy_takes_the_first_argmax_and_its_log_softmax(rows):
+    logits = random_logits(rows, 5000, seed=3, scale=10.0)
     logits[1, [7, 4000]] = logits[1].max() + 1.0  # tied maxima: the lower index wins, as np.argmax
     logits[2] = 0.5  # a flat row: token 0, logprob -log(5000)
     logits[3, 123] = 200.0  # one token holds all the mass: its logprob rounds to 0, not to a NaN
     tokens, chosen = (np.asarray(x) for x in jax.jit(device_sampling.greedy)(logits))
-    assert tokens.tolist() == np.argmax(logits, axis=-1).tolist() == [tokens[0], 7, 0, 123]
-    want = log_softmax(logits.astype(np.float64))[np.arange(4), tokens]
-    # One fp32 pass that rescales its partial sums as the max grows: a few ulps of a log-sum-exp of ~10 (2e-5
-    # as the test above).
+    assert tokens.tolist() == np.argmax(logits, axis=-1).tolist()
+    assert tokens[1:4].tolist() == [7, 0, 123]
+    want = log_softmax(logits.astype(np.float64))[np.arange(rows), tokens]
+    # fp32, rescaling partial sums as the max grows: a few ulps of a log-sum-exp of ~10 (2e-5, as the test above).
     np.testing.assert_allclose(chosen, want, atol=2e-5, rtol=0)
 
 
