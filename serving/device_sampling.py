@@ -145,17 +145,25 @@ def _first_max_and_sum(a, b):
 
 # From this many rows greedy() takes its one-pass form. Per call on an H100 (4B vocabulary, fp32 logits), argmax +
 # logsumexp against the one pass: 9.5 / 14.4 us at 1 row, 15.5 / 16.9 at 16, 56.4 / 44.0 at 64, 179.9 / 137.5 at
-# 256 (docs/performance.md). The one pass exponentiates twice per element, so few rows are bound by its arithmetic.
+# 256 (`tools/bench_greedy.py`, docs/performance.md). The one pass exponentiates twice an element, so few rows are
+# bound by its arithmetic.
 ONE_PASS_GREEDY_ROWS = 32
 
 
 def greedy(logits: jax.Array):
-    """logits [R, V] fp32 -> (argmax tokens [R] int32, their logprobs [R]). The chosen logit is the row's max, so
-    its logprob is -log sum exp(logits - max): from ONE_PASS_GREEDY_ROWS rows one reduction finds both, where the
-    argmax, a gather and a logsumexp read the logits three times (at 256 rows each pass is 254 MB)."""
-    if logits.shape[0] < ONE_PASS_GREEDY_ROWS:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tokens, _logprob_of(logits, tokens)
+    """logits [R, V] fp32 -> (argmax tokens [R] int32, their logprobs [R]), in the faster form for R rows."""
+    return (greedy_one_pass if logits.shape[0] >= ONE_PASS_GREEDY_ROWS else greedy_by_argmax)(logits)
+
+
+def greedy_by_argmax(logits: jax.Array):
+    """`greedy` as an argmax, a gather and a logsumexp: three reads of the logits, each a light kernel."""
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tokens, _logprob_of(logits, tokens)
+
+
+def greedy_one_pass(logits: jax.Array):
+    """`greedy` in one reduction: the chosen logit is the row's max, so its logprob is -log sum exp(logits - max),
+    and one pass carries the max, the rescaled sum and the first index (at 256 rows a pass is 254 MB)."""
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0, logits.dtype), jnp.int32(0))
     _, total, tokens = jax.lax.reduce((logits, jnp.ones_like(logits), index), init, _first_max_and_sum, (1,))
