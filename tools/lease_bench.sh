@@ -7,7 +7,10 @@
 #   tools/lease_bench.sh peer OUTDIR      the HF transformers + fla peer at the same cells (needs torch,
 #                                         transformers 5.17 and, for its fast GDN path, flash-linear-attention
 #                                         0.6.0; peer.json says which GDN path ran)
-#   tools/lease_bench.sh kernels OUTDIR   the GDN chunked prefill kernel against fla at 1k-8k tokens
+#   tools/lease_bench.sh kernels OUTDIR   the GDN chunked prefill kernel against fla at 1k-8k tokens; the greedy pick's
+#                                         two forms at 1-256 rows
+#   tools/lease_bench.sh gate OUTDIR      the bf16 golden gate of the Pallas kernels (needs torch and transformers
+#                                         5.17), with the GDN states stored in fp32 and in bf16
 #   tools/lease_bench.sh server OUTDIR    `serve --model 4b --max-batch 64` from a cold cache: time to ready, the
 #                                         HTTP cells (c1 and c16 1024/256, QPS16 1024/128, 16 x 128 bursts), then
 #                                         the same server from the warm cache: time to ready
@@ -18,7 +21,7 @@
 #
 # Model: the 4B preset with random bf16 weights (no trained weights exist on the host).
 set -euo pipefail
-stage=${1:?usage: tools/lease_bench.sh offline|peer|kernels|server|host|report OUTDIR}
+stage=${1:?usage: tools/lease_bench.sh offline|peer|kernels|gate|server|host|report OUTDIR}
 out=${2:?usage: tools/lease_bench.sh STAGE OUTDIR}
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${QWEN35_JAX_COMPILE_CACHE:-$out/xla-cache}
@@ -58,6 +61,13 @@ case $stage in
   kernels)
     JAX_PLATFORMS=cuda python3 "$here/bench_gdn_prefill.py" --tokens 1024 2048 4096 8192 --rows 1 \
       --json "$out/gdn_prefill.json"
+    JAX_PLATFORMS=cuda python3 "$here/bench_greedy.py" --batch 1 16 32 64 256 --json "$out/greedy.json"
+    ;;
+  gate)
+    for dtype in float32 bfloat16; do
+      python3 "$here/gpu_golden_gate.py" --workdir "$out/gate-work" --kernels pallas --mamba-ssm-cache-dtype "$dtype" \
+        --report "$out/gate_pallas_$dtype.json" || echo "the gate with $dtype states failed (see the report)"
+    done
     ;;
   server)
     mkdir -p "$out/http"
@@ -114,7 +124,7 @@ case $stage in
     cat "$out/table.md"
     ;;
   *)
-    echo "unknown stage $stage: offline|peer|kernels|server|host|report" >&2
+    echo "unknown stage $stage: offline|peer|kernels|gate|server|host|report" >&2
     exit 2
     ;;
 esac
