@@ -319,7 +319,8 @@ def gdn_decode_pool_gated_pallas(qkv, ba, ba_col: int, a_log, dt_bias, pool, lay
     the kernel too, z read in place like b and a (one kernel a GDN layer less); with narrower blocks XLA applies it
     after. Head dims that differ take the gates from XLA and the unpacked kernel."""
     num_value_heads, dk, dv = pool.shape[2:]
-    fused_norm = norm_weight is not None and tuning.block_dv >= dv and z_col % dv == 0
+    # Only the packed kernel (dk = dv) takes the norm in; the unpacked one for differing head dims leaves it to XLA.
+    fused_norm = norm_weight is not None and dk == dv and tuning.block_dv >= dv and z_col % dv == 0
     if dk != dv:
         g, beta = gdn_gates(*gate_columns(ba[: slots.shape[0]], ba_col, num_value_heads), a_log, dt_bias)
         out, pool = gdn_decode_pool_packed_pallas(qkv, g, beta, pool, layer, slots, trash_slot, interpret=interpret,

@@ -474,14 +474,17 @@ NORMED_OUT_TOL = {jnp.float32: OUT_TOL[jnp.float32], jnp.bfloat16: dict(atol=1e-
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block_dv", [32, 16], ids=["norm-in-kernel", "norm-after"])
-def test_gated_kernel_applies_the_output_norm(dtype, block_dv):
+@pytest.mark.parametrize(
+    "dk, block_dv", [(32, 32), (32, 16), (16, 32)], ids=["norm-in-kernel", "norm-after", "dk-ne-dv"]
+)
+def test_gated_kernel_applies_the_output_norm(dtype, dk, block_dv):
     """With norm_weight, the gated entry point returns o through the output norm, the gate z read at columns [z_col,
     z_col + nv dv) of a wider product with more rows than the step's (as the model hands it and b, a over): in the
-    kernel when a program holds a head's whole o (block_dv = dv), after it otherwise. Both equal the normed reference,
-    and that is `gated_rms_norm` of the plain reference's o; the padding row stays 0."""
+    kernel when a program holds a head's whole o (block_dv = dv), after it otherwise (and after the unpacked kernel that
+    head dims that differ take). All equal the normed reference, and that is `gated_rms_norm` of the plain
+    reference's o; the padding row stays 0."""
     rng = np.random.default_rng(23)
-    nk, nv, dk, dv = 2, 4, 32, 32
+    nk, nv, dv = 2, 4, 32
     pool, real, trash = pool_case(rng, 3, nv, dk, dv)
     slots = jnp.asarray(np.concatenate([rng.permutation(real), [trash]]), jnp.int32)
     q, k, v, _, _ = step_inputs(jax.random.PRNGKey(24), 4, nk, nv, dk, dv, dtype)
