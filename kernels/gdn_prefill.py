@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +143,8 @@ class GdnPrefillTuning:
     prep_warps: int = 4  # with the squaring solve: 0.044 / 0.296 ms at 1k / 8k tokens (H200, 4B heads)
     output_block_v: int = 64  # 168 registers, no spills, in 4 warps; 128 wide spills in 4 warps
     output_warps: int = 4
+    output_chunks: int = 1  # chunks a program of the output pass, one a loop iteration
+    output_stages: int = 2  # Triton's pipelining depth of that loop
 
 
 def gdn_prefill_tuning(num_rows: int, num_heads: int, dv: int) -> GdnPrefillTuning:
@@ -323,22 +326,30 @@ def _chunk_states_kernel(
     state_out_ref[...] = lax.fori_loop(0, num_valid, chunk_step, state_ref[...])
 
 
-def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_ref, o_ref, *, dots: str, scale: float):
-    """One (row, value head, chunk, dv slice): q/k [C, dk], gamma [C], start state [dk, bv], V' [C, bv] -> o [C, bv].
-    Chunks past the length are written as zeros without reading S_c or V'_c, which were never stored for them."""
-    start = pl.program_id(2) * CHUNK
+def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_ref, o_ref, *, dots: str, scale: float,
+                         chunks: int):  # fmt: skip
+    """One (row, value head, `chunks` consecutive chunks, dv slice): q/k [chunks C, dk], gamma [chunks C], start
+    states [chunks, dk, bv], V' [chunks C, bv] -> o [chunks C, bv], a chunk an iteration of a loop (which Triton
+    software-pipelines: the next chunk's loads are in flight during this one's products). Chunks past the length
+    are written as zeros without reading S_c or V'_c, which were never stored for them."""
+    first = pl.program_id(2) * (chunks * CHUNK)
     length = lengths_ref[...]
+    num_valid = jnp.clip((length - first + CHUNK - 1) // CHUNK, 0, chunks)
 
-    @pl.when(start < length)
-    def _():
-        valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
-        q, k = _normalised_qk(q_ref, k_ref, slice(None), valid, scale, v_new_ref.dtype)
-        out = _chunk_output(q, k, gamma_ref[...], state_ref[...], v_new_ref[...], _causal_mask(), dots)
-        o_ref[...] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
+    def chunk_output(i, carry):
+        rows = pl.ds(pl.multiple_of(i * CHUNK, CHUNK), CHUNK)
+        valid = first + i * CHUNK + lax.iota(jnp.int32, CHUNK) < length  # [C]
+        q, k = _normalised_qk(q_ref, k_ref, rows, valid, scale, v_new_ref.dtype)
+        out = _chunk_output(q, k, gamma_ref[rows], state_ref[i], v_new_ref[rows, :], _causal_mask(), dots)
+        o_ref[rows, :] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
+        return carry
 
-    @pl.when(start >= length)
-    def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    def zeros(i, carry):
+        o_ref[pl.ds(pl.multiple_of(i * CHUNK, CHUNK), CHUNK), :] = jnp.zeros((CHUNK, o_ref.shape[-1]), o_ref.dtype)
+        return carry
+
+    lax.fori_loop(0, num_valid, chunk_output, 0)
+    lax.fori_loop(num_valid, chunks, zeros, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,25 +441,28 @@ def _chunk_states(heads: _Heads, w, u, gamma, state, lengths, tuning: GdnPrefill
 
 def _chunk_outputs(heads: _Heads, gamma, states, v_new, lengths, out_dtype, tuning: GdnPrefillTuning, dots: str,
                    interpret: bool):  # fmt: skip
-    """The parallel output pass: one program per (row, value head, chunk, dv slice); returns o [P, T, nv, dv]."""
+    """The parallel output pass: one program per (row, value head, `output_chunks` chunks, dv slice); returns o
+    [P, T, nv, dv]."""
     num_rows, num_heads, seq, dv = v_new.shape
     dk = heads.q.shape[-1]
     ratio, q0, k0 = num_heads // heads.key_heads, heads.q_first, heads.k_first
     block_v = min(tuning.output_block_v, dv)
+    chunks = math.gcd(tuning.output_chunks, seq // CHUNK)
+    rows = chunks * CHUNK
     return pl.pallas_call(
-        functools.partial(_chunk_output_kernel, dots=dots, scale=dk**-0.5),
-        grid=(num_rows, num_heads, seq // CHUNK, dv // block_v),
+        functools.partial(_chunk_output_kernel, dots=dots, scale=dk**-0.5, chunks=chunks),
+        grid=(num_rows, num_heads, seq // rows, dv // block_v),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, c, j: (p,)),
-            pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, q0 + h // ratio, 0)),
-            pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, k0 + h // ratio, 0)),
-            pl.BlockSpec((None, None, CHUNK), lambda p, h, c, j: (p, h, c)),
-            pl.BlockSpec((None, None, None, dk, block_v), lambda p, h, c, j: (p, h, c, 0, j)),
-            pl.BlockSpec((None, None, CHUNK, block_v), lambda p, h, c, j: (p, h, c, j)),
+            pl.BlockSpec((None, rows, None, dk), lambda p, h, c, j: (p, c, q0 + h // ratio, 0)),
+            pl.BlockSpec((None, rows, None, dk), lambda p, h, c, j: (p, c, k0 + h // ratio, 0)),
+            pl.BlockSpec((None, None, rows), lambda p, h, c, j: (p, h, c)),
+            pl.BlockSpec((None, None, chunks, dk, block_v), lambda p, h, c, j: (p, h, c, 0, j)),
+            pl.BlockSpec((None, None, rows, block_v), lambda p, h, c, j: (p, h, c, j)),
         ],
-        out_specs=pl.BlockSpec((None, CHUNK, None, block_v), lambda p, h, c, j: (p, c, h, j)),
+        out_specs=pl.BlockSpec((None, rows, None, block_v), lambda p, h, c, j: (p, c, h, j)),
         out_shape=jax.ShapeDtypeStruct((num_rows, seq, num_heads, dv), out_dtype),
-        compiler_params=plt.CompilerParams(num_warps=tuning.output_warps, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=tuning.output_warps, num_stages=tuning.output_stages),
         interpret=interpret,
         name="gdn_prefill_chunk_output",
     )(lengths, heads.q, heads.k, gamma, states, v_new)
