@@ -166,11 +166,15 @@ def bench_case(args, rows: int, tokens: int) -> dict:
         given = {name: value for name, value in zip(TILE_FLAGS, values, strict=True) if value}
         tuning = dataclasses.replace(default, **given)
         kernel = jax.jit(functools.partial(gdn_chunked_prefill_pallas, tuning=tuning))
-        seconds = timing(kernel, inputs)
+        name = "pallas " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(tuning).items())
+        try:
+            seconds = timing(kernel, inputs)
+        except jax.errors.JaxRuntimeError as error:  # a tiling over the shared memory: skipped, the sweep goes on
+            print(f"  {name}: failed: {str(error).splitlines()[0]}", flush=True)
+            continue
         out, _ = kernel(*inputs)
         error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - out_ref.astype(jnp.float32))))
         stages = kernel_stages(kernel, inputs, args.iters, args.profile) if args.profile else None
-        name = "pallas " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(tuning).items())
         result[name] = {
             "kernel_ms_per_call": stages,
             "tuning": dataclasses.asdict(tuning),
