@@ -144,7 +144,6 @@ class GdnPrefillTuning:
     # in 8 warps the call took 1.226-1.273 ms at 8k tokens against 1.327-1.432 ms for two 64-wide slices (H200).
     output_block_v: int = 128
     output_warps: int = 8
-    decayed_keys: int = 0  # 1: the WY pass stores (K exp(gamma_last - gamma))^T, which the walk reads as it is
 
 
 def gdn_prefill_tuning(num_rows: int, num_heads: int, dv: int) -> GdnPrefillTuning:
@@ -230,9 +229,8 @@ def _load_sub_block(k_ref, v_ref, g_ref, beta_ref, a: int, start, length):
     return k, v, beta, g
 
 
-def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_ref, *decayed_ref, dots: str):
-    """One chunk of one value head: k [C, dk], v [C, dv], g/beta [C] -> w [C, dk], u [C, dv], gamma [C], and with
-    `decayed_ref` the walk's state-update operand (K exp(gamma_last - gamma))^T [dk, C].
+def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gamma_ref, *, dots: str):
+    """One chunk of one value head: k [C, dk], v [C, dv], g/beta [C] -> w [C, dk], u [C, dv], gamma [C].
 
     Solves (I + A) [W | U] = [beta exp(gamma) K | beta V] over row blocks a of SUB tokens:
         X_a = (I + A_aa)^-1 (R_a - sum_{b<a} A_ab X_b),   A_ab = (beta_a K_a) K_b^T * exp(gamma_a - gamma_b^T)
@@ -272,8 +270,6 @@ def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, ga
             w_ref[rows, :] = w_blocks[a]
             u_ref[rows, :] = u_blocks[a]
             gamma_ref[rows] = gammas[a]
-            if decayed_ref:  # offset is now gamma_last; padding keys are zero, so their columns are too
-                decayed_ref[0][:, rows] = (keys[a] * jnp.exp(offset - gammas[a])[:, None]).T.astype(u_ref.dtype)
 
 
 def _normalised_qk(q_ref, k_ref, rows, valid, scale: float, dtype):
@@ -305,12 +301,12 @@ def _next_state(state, k, gamma, gamma_last, v_new, dots: str):
     return state * jnp.exp(gamma_last) + _dot(k_decayed, v_new, dots, ((0,), (0,)))
 
 
-def _chunk_states_kernel(lengths_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, states_ref, v_new_ref, state_out_ref, *,
-                         dots: str, decayed: bool):  # fmt: skip
+def _chunk_states_kernel(
+    lengths_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, states_ref, v_new_ref, state_out_ref, *, dots: str
+):
     """One (row, value head, dv slice): k/w [T, dk], u [T, bv], gamma [T], state [dk, bv] -> each valid chunk's start
     state states [n, dk, bv] and V' [T, bv], and the final state. Chunks past the length are not written (the output
-    pass reads neither their states nor their V'). With `decayed`, k_ref holds the WY pass's decayed keys
-    [n, dk, C] instead."""
+    pass reads neither their states nor their V')."""
     length = lengths_ref[...]
     num_valid = (length + CHUNK - 1) // CHUNK
 
@@ -319,11 +315,6 @@ def _chunk_states_kernel(lengths_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref,
         rows = pl.ds(start, CHUNK)
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
         states_ref[c] = state.astype(states_ref.dtype)  # S_c, the chunk's start state
-        if decayed:
-            gamma_last = gamma_ref[start + CHUNK - 1]
-            v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], state, _coarse(dots))  # [C, bv]
-            v_new_ref[rows, :] = v_new.astype(v_new_ref.dtype)
-            return state * jnp.exp(gamma_last) + _dot(k_ref[c], v_new, dots)
         k = _normalised_k(k_ref, rows, valid, u_ref.dtype)
         gamma = gamma_ref[rows]
         gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma
@@ -371,14 +362,11 @@ class _Heads:
         return self.q.shape[1]
 
 
-def _wy_prep(heads: _Heads, g, beta, lengths, dots: str, interpret: bool, num_warps: int, decayed: bool):
-    """k, v (`heads`), g/beta [P, T, nv] -> w [P, nv, T, dk], u [P, nv, T, dv], gamma [P, nv, T], and with
-    `decayed` the decayed keys [P, nv, n, dk, C]."""
+def _wy_prep(heads: _Heads, g, beta, lengths, dots: str, interpret: bool, num_warps: int):
+    """k, v (`heads`), g/beta [P, T, nv] -> w [P, nv, T, dk], u [P, nv, T, dv], gamma [P, nv, T]."""
     num_rows, seq, num_heads = g.shape
     dk, dv = heads.k.shape[-1], heads.v.shape[-1]
     ratio, k0, v0 = num_heads // heads.key_heads, heads.k_first, heads.v_first
-    decayed_specs = [pl.BlockSpec((None, None, None, dk, CHUNK), lambda p, h, c: (p, h, c, 0, 0))] if decayed else []
-    decayed_shapes = [jax.ShapeDtypeStruct((num_rows, num_heads, seq // CHUNK, dk, CHUNK), _operand_dtype(dots))]
     return pl.pallas_call(
         functools.partial(_wy_prep_kernel, dots=dots),
         grid=(num_rows, num_heads, seq // CHUNK),
@@ -393,13 +381,11 @@ def _wy_prep(heads: _Heads, g, beta, lengths, dots: str, interpret: bool, num_wa
             pl.BlockSpec((None, None, CHUNK, dk), lambda p, h, c: (p, h, c, 0)),
             pl.BlockSpec((None, None, CHUNK, dv), lambda p, h, c: (p, h, c, 0)),
             pl.BlockSpec((None, None, CHUNK), lambda p, h, c: (p, h, c)),
-            *decayed_specs,
         ],
         out_shape=[
             jax.ShapeDtypeStruct((num_rows, num_heads, seq, dk), _operand_dtype(_coarse(dots))),  # W: read by W S only
             jax.ShapeDtypeStruct((num_rows, num_heads, seq, dv), _operand_dtype(dots)),
             jax.ShapeDtypeStruct((num_rows, num_heads, seq), jnp.float32),
-            *decayed_shapes[: len(decayed_specs)],
         ],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
@@ -407,11 +393,9 @@ def _wy_prep(heads: _Heads, g, beta, lengths, dots: str, interpret: bool, num_wa
     )(lengths, heads.k, heads.v, g, beta)
 
 
-def _chunk_states(heads: _Heads, w, u, gamma, state, lengths, tuning: GdnPrefillTuning, dots: str, interpret: bool,
-                  decayed_keys=None):  # fmt: skip
+def _chunk_states(heads: _Heads, w, u, gamma, state, lengths, tuning: GdnPrefillTuning, dots: str, interpret: bool):
     """The sequential pass; returns each chunk's start state [P, nv, n, dk, dv] and V' [P, nv, T, dv] (both in u's
-    dtype) and the new state [P, nv, dk, dv] (fp32). decayed_keys: the WY pass's [P, nv, n, dk, C], read in place
-    of k."""
+    dtype) and the new state [P, nv, dk, dv] (fp32)."""
     num_rows, num_heads, seq, dv = u.shape
     dk = heads.k.shape[-1]
     ratio, k0 = num_heads // heads.key_heads, heads.k_first
@@ -419,13 +403,11 @@ def _chunk_states(heads: _Heads, w, u, gamma, state, lengths, tuning: GdnPrefill
     u_spec = pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j))
     state_spec = pl.BlockSpec((None, None, dk, block_v), lambda p, h, j: (p, h, 0, j))
     return pl.pallas_call(
-        functools.partial(_chunk_states_kernel, dots=dots, decayed=decayed_keys is not None),
+        functools.partial(_chunk_states_kernel, dots=dots),
         grid=(num_rows, num_heads, dv // block_v),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, j: (p,)),
-            pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, k0 + h // ratio, 0))  # k: the key head's rows
-            if decayed_keys is None
-            else pl.BlockSpec((None, None, seq // CHUNK, dk, CHUNK), lambda p, h, j: (p, h, 0, 0, 0)),
+            pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, k0 + h // ratio, 0)),  # k: the key head's rows
             pl.BlockSpec((None, None, seq, dk), lambda p, h, j: (p, h, 0, 0)),  # w
             u_spec,
             pl.BlockSpec((None, None, seq), lambda p, h, j: (p, h, 0)),  # gamma
@@ -445,7 +427,7 @@ def _chunk_states(heads: _Heads, w, u, gamma, state, lengths, tuning: GdnPrefill
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="gdn_prefill_chunk_states",
-    )(lengths, heads.k if decayed_keys is None else decayed_keys, w, u, gamma, state)
+    )(lengths, heads.k, w, u, gamma, state)
 
 
 def _chunk_outputs(heads: _Heads, gamma, states, v_new, lengths, out_dtype, tuning: GdnPrefillTuning, dots: str,
@@ -534,9 +516,8 @@ def _prefill_calls(heads: _Heads, g, beta, state, lengths, out_dtype, interpret,
     dots = "ieee" if out_dtype == jnp.float32 else "tf32"
     g, beta = (_pad_tokens(x) for x in (g, beta))
     lengths = lax.clamp(0, lengths.astype(jnp.int32), seq)
-    w, u, gamma, *decayed = _wy_prep(heads, g.astype(jnp.float32), beta, lengths, dots, interpret, tuning.prep_warps,
-                                     bool(tuning.decayed_keys))  # fmt: skip
+    w, u, gamma = _wy_prep(heads, g.astype(jnp.float32), beta, lengths, dots, interpret, tuning.prep_warps)
     states, v_new, state = _chunk_states(heads, w, u, gamma, state.astype(jnp.float32), lengths, tuning, dots,
-                                         interpret, *decayed)  # fmt: skip
+                                         interpret)  # fmt: skip
     out = _chunk_outputs(heads, gamma, states, v_new, lengths, out_dtype, tuning, dots, interpret)
     return out[:, :seq], state
