@@ -32,9 +32,18 @@ import numpy as np
 import pytest
 from test_engine import Collector, StepSpy, assert_same_greedy, greedy, prompt, sampled
 
+from qwen35_jax.serving import runner as runner_module
 from qwen35_jax.serving.engine import TokenLogprob
 from qwen35_jax.serving.factory import EngineConfig, compile_overlapped
-from qwen35_jax.serving.runner import CONCURRENT_GRAPH, PINNED_GEMMS, Buckets, Runner, StepHandle, overlaps_sides
+from qwen35_jax.serving.runner import (
+    CONCURRENT_GRAPH,
+    PINNED_GEMMS,
+    PREFILL_WITHOUT_GRAPHS,
+    Buckets,
+    Runner,
+    StepHandle,
+    overlaps_sides,
+)
 from qwen35_jax.serving.scheduler import OverlapBudget
 
 LIMITS = dict(max_batch=4, max_prefill_tokens=64, max_model_len=512)  # test_engine's `engine`: shared programs
@@ -546,6 +555,19 @@ def test_only_the_unified_programs_of_an_overlapping_runner_get_a_concurrent_com
         assert not CONCURRENT_GRAPH.keys() & (Runner.compiler_options(overlapping, "step", key) or {}).keys()
     assert Runner.compiler_options(overlapping, "row", ("sample", 17)) is None
     assert not CONCURRENT_GRAPH.keys() & PINNED_GEMMS.keys()
+
+
+def test_on_a_gpu_prefill_only_programs_run_without_command_buffers(monkeypatch):
+    """Prefill-only step programs launch kernel by kernel on a GPU (PREFILL_WITHOUT_GRAPHS); every program with
+    decode rows keeps its command buffer, and row programs and CPU compiles take none of it."""
+    runner = types.SimpleNamespace(overlaps=False)
+    assert not (Runner.compiler_options(runner, "step", (0, 1, 1024)) or {})  # this CPU
+    monkeypatch.setattr(runner_module.jax, "default_backend", lambda: "gpu")
+    for key in [(0, 1, 1024), (0, 4, 128)]:
+        assert PREFILL_WITHOUT_GRAPHS.items() <= Runner.compiler_options(runner, "step", key).items()
+    for key in [(1, 0, 0), (64, 0, 0), (16, 1, 256), (1, 1, 64)]:
+        assert not PREFILL_WITHOUT_GRAPHS.keys() & (Runner.compiler_options(runner, "step", key) or {}).keys()
+    assert Runner.compiler_options(runner, "row", ("sample", 17)) is None
 
 
 @pytest.mark.parametrize("bound", [0.5, 0.999, "3", True])

@@ -58,7 +58,7 @@ def compile_step(key: tuple[int, int, int], preset: str, max_batch: int, num_pag
     from qwen35_jax.config import preset as model_preset
     from qwen35_jax.kernels import mixers
     from qwen35_jax.model import abstract_model
-    from qwen35_jax.serving.runner import PINNED_GEMMS, _step_on_leaves
+    from qwen35_jax.serving.runner import _step_on_leaves, gpu_step_options
 
     device = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=H200_TARGET).devices[0]
     jax.config.update("jax_default_device", device)  # Pallas' Triton lowering reads the default device's kind
@@ -84,7 +84,7 @@ def compile_step(key: tuple[int, int, int], preset: str, max_batch: int, num_pag
     inputs = StepInputs(decode if b else None, prefill if p else None)
     step = jax.jit(partial(_step_on_leaves, treedef, model_def, mixers("pallas")), donate_argnums=(1, 2))
     lowered = step.trace(param_leaves, cache, abstract((slots,), jnp.int32), inputs).lower()
-    return lowered.compile(PINNED_GEMMS if b and b + p >= 2 else None), len(param_leaves)
+    return lowered.compile(gpu_step_options(key) or None), len(param_leaves)
 
 
 @dataclasses.dataclass
