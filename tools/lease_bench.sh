@@ -7,8 +7,10 @@
 #   tools/lease_bench.sh peer OUTDIR      the HF transformers + fla peer at the same cells (needs torch,
 #                                         transformers 5.17 and, for its fast GDN path, flash-linear-attention
 #                                         0.6.0; peer.json says which GDN path ran)
-#   tools/lease_bench.sh kernels OUTDIR   the GDN chunked prefill kernel against fla at 1k-8k tokens; the greedy pick's
-#                                         two forms at 1-256 rows
+#   tools/lease_bench.sh kernels OUTDIR   the GDN chunked prefill kernel against fla at 1k-8k tokens (fla 0.6.0 on the
+#                                         PYTHONPATH: flash-linear-attention, fla-core and einops, beside the host's
+#                                         torch; without it the kernel runs alone); the greedy pick's two forms at
+#                                         1-256 rows
 #   tools/lease_bench.sh gate OUTDIR      the bf16 golden gate of the Pallas kernels (needs torch and transformers
 #                                         5.17), with the GDN states stored in fp32 and in bf16
 #   tools/lease_bench.sh server OUTDIR    `serve --model 4b --max-batch 64` from a cold cache: time to ready, the
