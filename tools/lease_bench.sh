@@ -16,6 +16,10 @@
 #   tools/lease_bench.sh server OUTDIR    `serve --model 4b --max-batch 64` from a cold cache: time to ready, the
 #                                         HTTP cells (c1 and c16 1024/256, QPS16 1024/128, 16 x 128 bursts), then
 #                                         the same server from the warm cache: time to ready
+#   tools/lease_bench.sh bursts OUTDIR    three 16 x 128 bursts against a fresh `serve --model 4b --max-batch 64 --trace-steps`
+#                                         on the stage's cache: each request's TTFT and ITLs (http/burst_trace_*.json)
+#                                         and the step plans (http/server_bursts.log), to see why the first burst's
+#                                         TTFT p50 has been ~20 ms above the next two's
 #   tools/lease_bench.sh host OUTDIR      the host's own time a decode step (batch 1; HOST_BATCHES) under each of XLA's
 #                                         command buffer update modes, and with command buffers off; XLA's log
 #                                         of how many commands each step re-records (OUTDIR/host/*.log)
@@ -23,7 +27,7 @@
 #
 # Model: the 4B preset with random bf16 weights (no trained weights exist on the host).
 set -euo pipefail
-stage=${1:?usage: tools/lease_bench.sh offline|peer|kernels|gate|server|host|report OUTDIR}
+stage=${1:?usage: tools/lease_bench.sh offline|peer|kernels|gate|server|bursts|host|report OUTDIR}
 out=${2:?usage: tools/lease_bench.sh STAGE OUTDIR}
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${QWEN35_JAX_COMPILE_CACHE:-$out/xla-cache}
@@ -94,6 +98,23 @@ case $stage in
     kill $server; wait $server 2>/dev/null || true  # stopped here, so the stage exits 0 rather than the kill's 143
     trap - EXIT
     ;;
+  bursts)
+    mkdir -p "$out/http"
+    port=8032
+    : >"$out/http/server_bursts.log"  # appended to by the server and by the markers between the bursts
+    python3 -m qwen35_jax.cli -v serve --model 4b --max-batch 64 --port "$port" --compile-cache "$cache" \
+      --trace-steps >>"$out/http/server_bursts.log" 2>&1 &
+    server=$!
+    trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
+    echo "ready_s $(wait_ready $port "$out/http/server_bursts.log")"
+    for _ in $(seq 400); do grep -q "built the other programs in the background" "$out/http/server_bursts.log" && break; sleep 1; done
+    for i in 1 2 3; do
+      echo "BURST $i" >>"$out/http/server_bursts.log"
+      bench $port "burst_trace_$i" --input-len 128 --output-len 16 --num-prompts 16 --max-concurrency 16 --save-detailed
+    done
+    kill $server; wait $server 2>/dev/null || true
+    trap - EXIT
+    ;;
   host)
     # The batch-1 step's launch is mostly XLA re-recording its command buffer (a CUDA graph): any command whose
     # buffers moved since the last run is updated, and the step's inputs and outputs are new buffers every step.
@@ -126,7 +147,7 @@ case $stage in
     cat "$out/table.md"
     ;;
   *)
-    echo "unknown stage $stage: offline|peer|kernels|gate|server|host|report" >&2
+    echo "unknown stage $stage: offline|peer|kernels|gate|server|bursts|host|report" >&2
     exit 2
     ;;
 esac
