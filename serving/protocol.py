@@ -83,7 +83,8 @@ class ResponseFormat(_Strict):
 class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs`: one constraint on the answer's text. `json` is a JSON schema (an object, or
     that object as a JSON string), `regex` a regular expression the whole answer matches, `choice` a list of the
-    only answers allowed, `grammar` a Lark grammar (llguidance's dialect), `json_object` any JSON object."""
+    only answers allowed, `grammar` a Lark grammar (llguidance's dialect) or a GBNF one, `json_object` any JSON
+    object."""
 
     # `json` would shadow pydantic's BaseModel.json; the alias keeps vLLM's key.
     json_schema: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None

@@ -1,7 +1,7 @@
 """Structured output: a request's constraint on its answer as a grammar over the vocabulary, walked token by token.
 
 The constraint is OpenAI's `response_format` (a JSON schema or any JSON object) or vLLM's `structured_outputs`
-(also a regular expression, a list of choices or a Lark grammar; its older `guided_*` names too).
+(also a regular expression, a list of choices or a grammar, in Lark or in GBNF; its older `guided_*` names too).
 llguidance (docs/structured_output.md says why this library) compiles it against the served
 tokenizer into a matcher that says, before each token, which tokens may come next. The HTTP side compiles
 (`GrammarCompiler`, off the event loop, so a bad schema is a 400 before anything is queued); the compiled
@@ -26,6 +26,7 @@ import time
 import llguidance
 import llguidance.numpy
 import numpy as np
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from qwen35_jax.serving.device_sampling import mask_words
 from qwen35_jax.tokenizer import Tokenizer
@@ -76,20 +77,22 @@ class GrammarCompiler:
         """The answer is one of `choices`, exactly."""
         return self.regex("(" + "|".join(re.escape(choice) for choice in choices) + ")")
 
-    def lark(self, grammar: str) -> Grammar:
-        """The answer is a sentence of a Lark grammar (llguidance's dialect; it starts at `start`)."""
-        return self._compile(lambda: llguidance.LLMatcher.grammar_from_lark(grammar))
+    def grammar(self, grammar: str) -> Grammar:
+        """The answer is a sentence of a grammar: Lark (llguidance's dialect, which starts at `start`) or GBNF, the
+        EBNF of llama.cpp and xgrammar (`root ::= ...`), which vLLM's default backend takes. llguidance tells them
+        apart (a `start:` rule or a `%llguidance` line is Lark) and rewrites GBNF as Lark."""
+        return self._compile(lambda: llguidance.LLMatcher.grammar_from_lark(any_to_lark(grammar)))
 
     def compile(self, kind: str, value) -> Grammar:
         """The grammar of a `protocol.Constraint`'s kind and value."""
         build = {"json_schema": self.json_schema, "json_object": self.json_object, "regex": self.regex,
-                 "choice": self.choice, "grammar": self.lark}[kind]  # fmt: skip
+                 "choice": self.choice, "grammar": self.grammar}[kind]  # fmt: skip
         return build(value)
 
     def _compile(self, grammar_text) -> Grammar:
         try:
             grammar = grammar_text()
-        except ValueError as err:
+        except (ValueError, GbnfToLarkError) as err:
             raise GrammarError(_first_line(str(err))) from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():

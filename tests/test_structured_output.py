@@ -398,6 +398,8 @@ def test_bad_response_formats_get_a_400_naming_it(idle_server, response_format, 
 # ---- vLLM's structured_outputs and its guided_* names --------------------------------------------------------
 
 SQL = 'start: "SELECT " name " FROM " name\nname: /[a-z]{1,6}/'
+# The same language in GBNF, the EBNF of llama.cpp and xgrammar that vLLM's default backend takes.
+SQL_GBNF = 'root ::= "SELECT " name " FROM " name\nname ::= [a-z] | [a-z] [a-z] | [a-z] [a-z] [a-z]'
 
 
 @pytest.mark.parametrize("constraint, fits", [
@@ -410,8 +412,10 @@ SQL = 'start: "SELECT " name " FROM " name\nname: /[a-z]{1,6}/'
     ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
     ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
     ({"guided_grammar": SQL}, lambda t: re.fullmatch("SELECT [a-z]{1,6} FROM [a-z]{1,6}", t)),
+    ({"structured_outputs": {"grammar": SQL_GBNF}}, lambda t: re.fullmatch("SELECT [a-z]{1,3} FROM [a-z]{1,3}", t)),
+    ({"guided_grammar": SQL_GBNF}, lambda t: re.fullmatch("SELECT [a-z]{1,3} FROM [a-z]{1,3}", t)),
 ], ids=["regex", "choice", "lark", "json", "json-text", "guided-regex", "guided-choice", "guided-json",
-        "guided-grammar"])  # fmt: skip
+        "guided-grammar", "gbnf", "guided-gbnf"])  # fmt: skip
 def test_structured_outputs_constrain_the_answer(idle_server, constraint, fits):
     """Each of vLLM's constraints holds on the answer, which ends with stop; the unconstrained answer to the same
     request is the random model's noise, which none of them takes."""
@@ -438,13 +442,15 @@ def test_completions_and_responses_take_a_constraint(idle_server):
 @pytest.mark.parametrize("fields, param, words", [
     ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex", "regex"),
     ({"structured_outputs": {"grammar": "start: (("}}, "structured_outputs.grammar", "cannot be used"),
+    ({"guided_grammar": "root ::= = bad"}, "guided_grammar", "Expected name"),
     ({"structured_outputs": {}}, "structured_outputs", "no constraint"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice", "set one"),
     ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "guided_json", "set one"),
     ({"guided_choice": []}, "guided_choice", "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "guided_regex"),
-], ids=["bad-regex", "bad-lark", "empty", "two-fields", "two-params", "no-choices", "json-text", "min-tokens"])  # fmt: skip
+], ids=["bad-regex", "bad-lark", "bad-gbnf", "empty", "two-fields", "two-params", "no-choices", "json-text",
+        "min-tokens"])  # fmt: skip
 def test_bad_constraints_get_a_400_naming_them(idle_server, fields, param, words):
     import openai
 
@@ -496,7 +502,7 @@ def walk(grammar, text: str) -> str:
 ], ids=["required", "two-calls", "unknown-name", "missing-required", "not-an-integer", "not-in-enum", "order",
         "named", "ref", "maximum"])  # fmt: skip
 def test_the_forced_call_grammar_takes_the_tools_calls_only(compiler, named, text, verdict):
-    assert walk(compiler.lark(tool_call_grammar(FUNCTIONS, named)), text) == verdict
+    assert walk(compiler.grammar(tool_call_grammar(FUNCTIONS, named)), text) == verdict
 
 
 @pytest.mark.parametrize("text, verdict", [
@@ -505,7 +511,7 @@ def test_the_forced_call_grammar_takes_the_tools_calls_only(compiler, named, tex
 ])  # fmt: skip
 def test_without_parallel_calls_required_is_one_call(compiler, text, verdict):
     """parallel_tool_calls=false: tool_choice "required" makes exactly one call, as OpenAI's does."""
-    assert walk(compiler.lark(tool_call_grammar(FUNCTIONS, None, parallel=False)), text) == verdict
+    assert walk(compiler.grammar(tool_call_grammar(FUNCTIONS, None, parallel=False)), text) == verdict
 
 
 def test_a_call_the_grammar_takes_parses_back_to_its_arguments():
@@ -534,7 +540,7 @@ def test_forced_tool_calls_name_a_tool_and_fit_its_schema(engine, tiny_model):
         head
     )
     grammar = GrammarCompiler(tiny_model.tokenizer, tiny_model.config.vocab_size, engine.eos_token_ids)
-    forced = grammar.lark(tool_call_grammar(tools, None))
+    forced = grammar.grammar(tool_call_grammar(tools, None))
     max_tokens = ENGINE["max_model_len"] - len(prompt)
     requests = {f"t{temperature}-{seed}": (prompt, GenerationParams(max_tokens, SamplingParams(temperature, seed=seed),
                                                                     grammar=forced))
