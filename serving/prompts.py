@@ -388,7 +388,7 @@ class RequestPreparer:
         named = request.tool_choice.function.name if isinstance(request.tool_choice, api.NamedToolChoice) else None
         try:
             text = tool_call_grammar(tools, named, parallel=request.parallel_tool_calls is not False)
-            grammar = await asyncio.to_thread(self.grammars.lark, text)
+            grammar = await asyncio.to_thread(self.grammars.grammar, text)
         except GrammarError as err:
             raise APIError(400, f"tools: a parameter schema cannot be used to constrain the forced tool call: {err}",
                            "tools") from None  # fmt: skip
