@@ -46,6 +46,10 @@ wait_ready() {  # port log -> seconds from now until /health answers 200, or exi
   exit 1
 }
 
+wait_built() {  # log: until the server's background build is done, so that no step pads up to a larger program
+  for _ in $(seq 400); do grep -q "built the other programs in the background" "$1" && return 0; sleep 1; done
+}
+
 bench() {  # port label flags...
   local port=$1 label=$2
   shift 2
@@ -83,8 +87,7 @@ case $stage in
     server=$!
     trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
     echo "cold_ready_s $(wait_ready $port "$out/http/server_cold.log")" | tee "$out/http/ready.txt"
-    # The bursts and the cells run once the background build is done, so no step pads up to a larger program.
-    for _ in $(seq 400); do grep -q "built the other programs in the background" "$out/http/server_cold.log" && break; sleep 1; done
+    wait_built "$out/http/server_cold.log"
     bench $port c1_1024_256 --input-len 1024 --output-len 256 --num-prompts 8 --max-concurrency 1
     bench $port c16_1024_256 --input-len 1024 --output-len 256 --num-prompts 48 --max-concurrency 16
     bench $port qps16_1024_128 --input-len 1024 --output-len 128 --num-prompts 96 --request-rate 16
@@ -107,7 +110,7 @@ case $stage in
     server=$!
     trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
     echo "ready_s $(wait_ready $port "$out/http/server_bursts.log")"
-    for _ in $(seq 400); do grep -q "built the other programs in the background" "$out/http/server_bursts.log" && break; sleep 1; done
+    wait_built "$out/http/server_bursts.log"
     for i in 1 2 3; do
       echo "BURST $i" >>"$out/http/server_bursts.log"
       bench $port "burst_trace_$i" --input-len 128 --output-len 16 --num-prompts 16 --max-concurrency 16 --save-detailed
