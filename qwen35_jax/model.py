@@ -33,12 +33,14 @@ from qwen35_jax.kernels.attention_inputs import split_parts
 from qwen35_jax.kernels.decode_attention import output_gate
 from qwen35_jax.kernels.gdn_decode import gate_columns, gated_rms_norm, gdn_gates
 from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref
+from qwen35_jax.kernels.norm_linear import FUSED_MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
 
 # Fused input projections whose inputs are more rows than this (prefill chunks) multiply each part's rows of the
 # fused weight apart: XLA's GEMM over the fused shapes made an 8192-token 4B prefill 173 ms against 154 ms on the
 # H200, while decode batches up to 256 gain from one product.
 FUSED_QKV_MAX_ROWS = 256
+assert NORM_LINEAR_MAX_ROWS <= FUSED_QKV_MAX_ROWS  # `_products` is one product there, which `norm_linear` makes
 
 
 def fused_parts(cfg: Qwen35Config) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -104,6 +106,11 @@ class RMSNorm(nnx.Module):
         """(h + the product `parts`' sum, the norm of that): the residual add and this norm in one kernel."""
         return mixers.residual_norm(h, parts, self.weight[...], eps=self.eps)
 
+    def into_product(self, h, parts, linear: Linear, mixers: Mixers):
+        """(h + the product `parts`' sum, `linear` of the norm of that): the residual add, this norm and the product
+        that reads it (`Mixers.norm_linear`: one kernel at a few rows)."""
+        return mixers.norm_linear(h, parts, self.weight[...], linear.weight[...], eps=self.eps)
+
 
 class GatedRMSNorm(nnx.Module):
     """The GDN output norm: w * round(norm(o)) * silu(z), the weight not zero-centred (HF rounding order;
@@ -149,8 +156,12 @@ class MLP(nnx.Module):
         self.gate_up_proj = _fused_linear(cfg, "gate_up_proj", cfg.hidden_size, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
-    def __call__(self, x, linear=linear_ref, linear_parts=linear_parts_ref):
-        gate, up = _projections(self.cfg, "gate_up_proj", self.gate_up_proj, x, linear)
+    def __call__(self, x, linear=linear_ref, linear_parts=linear_parts_ref, product=None):
+        """product: gate_up_proj's output over the fused weight, when the caller made it (x is then unused)."""
+        if product is None:
+            gate, up = _projections(self.cfg, "gate_up_proj", self.gate_up_proj, x, linear)
+        else:
+            gate, up = jnp.split(product, _part_bounds(self.cfg, "gate_up_proj"), axis=-1)
         return self.down_proj.parts(silu_mul(gate, up), linear_parts)
 
 
@@ -240,12 +251,16 @@ class GatedDeltaNet(nnx.Module):
         out, ssm = ctx.mixers.gdn_prefill(mixed, g, beta, state.ssm, ctx.inputs.prefill.lengths)
         return out, GdnState(ssm, conv)
 
-    def __call__(self, x, state: GdnState | None, ctx: StepContext, pools: KVPages, layer):
+    def __call__(self, x, state: GdnState | None, ctx: StepContext, pools: KVPages, layer, product=None):
         """x [N, hidden]; state: this layer's prefill rows' states (None in a step without prefill rows); the decode
-        rows' states are GDN layer `layer` of pools.ssm and pools.conv. Returns (out_proj's output as partial sums,
-        new state, pools)."""
+        rows' states are GDN layer `layer` of pools.ssm and pools.conv; product: in_proj's output over the fused
+        weight, when the caller made it (x is then unused). Returns (out_proj's output as partial sums, new state,
+        pools)."""
         cfg = self.cfg
-        product, ba, ba_col = self._in_projections(x, ctx.mixers.linear)
+        if product is None:
+            product, ba, ba_col = self._in_projections(x, ctx.mixers.linear)
+        else:
+            ba, ba_col = product, cfg.conv_dim + cfg.gdn_value_dim
         outs = []
         if ctx.inputs.decode is not None:
             out, pools = self._decode(ctx, product, ba, ba_col, pools, layer)
@@ -280,9 +295,10 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
 
-    def __call__(self, x, cache: KVPages, layer, ctx: StepContext):
+    def __call__(self, x, cache: KVPages, layer, ctx: StepContext, product=None):
+        """product: qkv_proj's output over the fused weight, when the caller made it (x is then unused)."""
         cfg = self.cfg
-        products = _products(cfg, "qkv_proj", self.qkv_proj, x, ctx.mixers.linear)
+        products = _products(cfg, "qkv_proj", self.qkv_proj, x, ctx.mixers.linear) if product is None else (product,)
         q, k, gate, k_pages, v_pages = ctx.mixers.attention_inputs(
             products, self.q_norm.weight[...], self.k_norm.weight[...], ctx.cos, ctx.sin, cache.k_pages,
             cache.v_pages, layer, ctx.kv_page, ctx.kv_offset, heads=cfg.num_attention_heads,
@@ -299,7 +315,7 @@ class Attention(nnx.Module):
             out_p = ctx.mixers.prefill_attention(q_p, k_p, v_p, k_pages, v_pages, layer, side.page_table, side.start,
                                                  side.lengths)  # fmt: skip
             out_p = output_gate(out_p, gate_p)
-        out = StepContext.join(out_d, out_p).reshape(x.shape[0], -1)
+        out = StepContext.join(out_d, out_p).reshape(products[0].shape[0], -1)
         out = self.o_proj.parts(out, ctx.mixers.linear_parts)
         return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 
@@ -319,13 +335,24 @@ class DecoderLayer(nnx.Module):
         still to be added to it (the previous layer's MLP output: each add is fused with the norm after it). A
         linear layer reads and returns its prefill rows' GdnState and updates the decode rows' in the pools (its
         index there: linear_layer); the attention layer writes its K/V pages (its index: layer)."""
-        h, x = self.input_layernorm.after_residual(h, pending, ctx.mixers)
-        if hasattr(self, "linear_attn"):
-            out, state, cache = self.linear_attn(x, state, ctx, cache, linear_layer)
+        gdn = hasattr(self, "linear_attn")
+        h, x, product = self._norm(self.input_layernorm, h, pending,
+                                   self.linear_attn.in_proj if gdn else self.self_attn.qkv_proj, ctx.mixers)  # fmt: skip
+        if gdn:
+            out, state, cache = self.linear_attn(x, state, ctx, cache, linear_layer, product=product)
         else:
-            out, cache = self.self_attn(x, cache, layer, ctx)
-        h, x = self.post_attention_layernorm.after_residual(h, out, ctx.mixers)
-        return h, self.mlp(x, ctx.mixers.linear, ctx.mixers.linear_parts), cache, state
+            out, cache = self.self_attn(x, cache, layer, ctx, product=product)
+        h, x, product = self._norm(self.post_attention_layernorm, h, out, self.mlp.gate_up_proj, ctx.mixers)
+        return h, self.mlp(x, ctx.mixers.linear, ctx.mixers.linear_parts, product=product), cache, state
+
+    @staticmethod
+    def _norm(norm: RMSNorm, h, parts, linear: Linear, mixers: Mixers):
+        """(h', x, None): the residual add and `norm`; or, at up to NORM_LINEAR_MAX_ROWS rows, (h', None, the
+        product over `linear`'s fused weight that reads the norm) through `Mixers.norm_linear`, one kernel there."""
+        if h.shape[0] <= NORM_LINEAR_MAX_ROWS:
+            h, product = norm.into_product(h, parts, linear, mixers)
+            return h, None, product
+        return *norm.after_residual(h, parts, mixers), None
 
 
 class LayerGroup(nnx.Module):

@@ -195,7 +195,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.trace_steps = False
-        # Run programs built in the background once while idle (`Runner.warm_up`): set by build_engine on a GPU.
+        # Warm programs built in the background up while idle (`Runner.warm_up`): set by build_engine on a GPU.
         self.warm_up_idle = False
         # Called on the engine thread once a step's outputs have all been delivered (the metrics close the step's
         # token count there); None: nothing to call.

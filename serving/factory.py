@@ -14,7 +14,7 @@ import jax
 from qwen35_jax.cache import SSM_DTYPES, CacheSpec, bytes_per_page, bytes_per_slot
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.serving.engine import Engine
-from qwen35_jax.serving.runner import Buckets, Runner
+from qwen35_jax.serving.runner import WARM_UP_RUNS, Buckets, Runner
 from qwen35_jax.serving.scheduler import OverlapBudget, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ def build_engine(model, config: EngineConfig, compile_now: bool = True, progress
         summed = sum(runner.compile_seconds.values()) + sum(runner.row_compile_seconds.values())
         summed += sum(runner.prompt_compile_seconds.values())
         if on_gpu:
-            log.info("ran every step program once in %.1fs", runner.warm_up())
+            log.info("warmed every step program up (%d runs each) in %.1fs", WARM_UP_RUNS, runner.warm_up())
         loaded = f"; {runner.store.loaded} loaded from {runner.store.path}" if runner.store else ""
         log.info("built %d step programs, %d row programs and %d prompt-logprobs programs in %.1fs (wall; %.1fs "
                  "summed over programs%s)", runner.num_compiles, runner.num_row_compiles, runner.num_prompt_compiles,

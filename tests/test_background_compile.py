@@ -148,3 +148,19 @@ def test_the_background_thread_builds_the_rest_and_an_idle_engine_runs_each_once
         assert keys and all(used == exact for used, exact in keys)
     finally:
         engine.shutdown()
+
+
+def test_warm_up_runs_each_program_twice(tiny_model):
+    """XLA runs a program with command buffers op by op the first time and records its CUDA graph on the second:
+    the warm-up makes both runs, so that neither falls in a request's first step."""
+    from qwen35_jax.cache import CacheSpec
+    from qwen35_jax.kernels import REF
+
+    runner = Runner(tiny_model.model_def, tiny_model.params, REF, CacheSpec(8, 16, 2), Buckets((1,), (), ()), 64)
+    key = (1, 0, 0)
+    program = runner.compile(key)
+    calls = []
+    runner.executables[key] = lambda *args: calls.append(key) or program(*args)
+    runner.warm_up()
+    assert calls == [key, key]
+    assert not runner.unwarmed()
