@@ -192,6 +192,11 @@ class Engine:
         self._inbox: list[Generation] = []
         self._aborts: list[str] = []
         self._in_flight: StepHandle | None = None
+        # A prefill-only step launched by an idle engine: a burst's first prompt, or a lone request. The next step is
+        # planned once it is done rather than while it runs, so that the prompts arriving meanwhile (the rest of the
+        # burst, ~20 ms of a 4B prefill) join that step instead of the one after it, whose plan was made the moment
+        # the first step launched. Later steps are planned one ahead as usual.
+        self._from_idle: StepHandle | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.trace_steps = False
@@ -257,6 +262,10 @@ class Engine:
 
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to do."""
+        waited = self._in_flight is not None and self._in_flight is self._from_idle
+        if waited:  # see _from_idle
+            handle, self._in_flight = self._in_flight, None
+            self._process(handle)
         self._drain_inbox()
         plan = self.scheduler.schedule()
         if not plan.decode and self._in_flight is not None and self._in_flight.plan.action == OVERLAP_LAUNCH:
@@ -265,9 +274,10 @@ class Engine:
         self._note_scheduled(plan)
         launched = self._launch(plan) if plan.action != "idle" else None
         previous, self._in_flight = self._in_flight, launched
+        self._from_idle = launched if previous is None and not waited and not plan.decode else None
         if previous is not None:
             self._process(previous)
-        return launched is not None or previous is not None
+        return launched is not None or previous is not None or waited
 
     def _wait_for_overlap(self) -> None:
         """The last decoder retired while an overlapped step is in flight: block on that step explicitly, and
