@@ -7,7 +7,7 @@ Math (per row; `norm_linear_ref`, which is `residual_norm_ref` then `linear_ref`
     y     = round(round(h' * s * (1 + w)) @ W^T)   s = rsqrt(mean(h'^2) + eps), fp32 accumulation
 The kernel computes y = round(s * (round(h' * (1 + w)) @ W^T)): s is one number a row, so it can scale the product's
 fp32 sum after the fact, and each program learns it from the same loop that streams W. Only the rounding of the
-product's bf16 operand moves (it is rounded before the scaling instead of after): the same relative error, 2^-9,
+product's bf16 operand moves (it is rounded before the scaling instead of after): the same relative error, 2^-8,
 in another place (tests/test_kernels_norm_linear.py states the tolerance).
 Layouts: h [M, K], parts [S, M, K], w (the norm's) [K], W [N, K]; returns h' [M, K] and y [M, N] in h's dtype.
 
@@ -21,9 +21,9 @@ Pallas kernel (Triton lowering): `linear`'s grid (N / block_n,) with one K split
 steps; each step makes h' and the operand round(h' * (1 + w)) from h's, the parts' and w's slices (from L2: every
 program reads them; fetched a step ahead, as Triton does not pipeline them), adds h'^2 to the row's sum of
 squares and the operand's product with W's tile to the accumulator. Program 0 stores h'. At the end the
-accumulator is scaled by s. Every program reads the
-parts, S + 1 times the operand's bytes, so the kernel pays off only for a few rows (`NormLinearTuning.max_rows`);
-beyond them, or when `linear` would split K, it is `residual_norm` then `linear`.
+accumulator is scaled by s. Every program reads the parts and h, 4 S + 2 bytes a row and column of K where the
+operand alone would be 2, so the kernel pays off only for a few rows (`NormLinearTuning.max_rows`); beyond them,
+or when `linear` would split K, it is `residual_norm` then `linear`.
 """
 
 from __future__ import annotations
