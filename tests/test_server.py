@@ -919,3 +919,24 @@ def test_an_error_after_the_answer_started_sends_nothing_more():
 
     (start,) = _gate_call(broken_stream)
     assert start == {"type": "http.response.start", "status": 200, "headers": []}
+
+
+def test_the_app_loads_anyios_backend_before_it_serves(live_server):
+    """Starlette's streamed responses import anyio's asyncio backend at their first use. The app's startup (run by
+    uvicorn before the socket accepts) loads it, so that the import does not stall the event loop inside a fresh
+    server's first requests. A fresh interpreter shows the import is not done by importing the server, and is
+    done by its startup; the live server shows the app runs that startup."""
+    from qwen35_jax.serving.server import _startup
+
+    assert live_server.uvicorn.config.app.router.lifespan_context is _startup
+    code = (
+        "import asyncio, sys\n"
+        "from qwen35_jax.serving.server import _startup\n"
+        "backend = 'anyio._backends._asyncio'\n"
+        "assert backend not in sys.modules, 'loaded by the import alone'\n"
+        "async def start():\n"
+        "    async with _startup(None):\n"
+        "        assert backend in sys.modules\n"
+        "asyncio.run(start())\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
