@@ -101,13 +101,15 @@ def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, rows: int):
     _store_rows(out_ref, rows, acc.astype(out_ref.dtype))
 
 
-def _store_rows(ref, rows: int, value) -> None:
-    """value [rows, width] into ref's first rows; the rows past M (tile padding) masked off."""
+def _store_rows(ref, rows: int, value, col=None) -> None:
+    """value [rows, width] into ref's first rows, at column `col` (None: value is ref's whole width); the rows past
+    M (tile padding) masked off."""
+    columns = slice(None) if col is None else pl.ds(col, value.shape[-1])
     if ref.shape[0] == rows:
-        ref[...] = value
+        ref[:, columns] = value
     else:
         valid = jnp.arange(rows)[:, None] < ref.shape[0]
-        pltriton.store(ref.at[pl.ds(0, rows), :], value, mask=valid)
+        pltriton.store(ref.at[pl.ds(0, rows), columns], value, mask=valid)
 
 
 def _tile(size: int, cap: int) -> int:

@@ -79,15 +79,6 @@ def _parts_rows(ref, s: int, rows: int, col, width: int):
     return block.sum(axis=0).astype(jnp.float32)
 
 
-def _store_columns(ref, rows: int, col, value) -> None:
-    """value [rows, width] into ref's first rows at column col; the rows past M masked off."""
-    if ref.shape[0] == rows:
-        ref[:, pl.ds(col, value.shape[-1])] = value
-    else:
-        valid = jnp.arange(rows)[:, None] < ref.shape[0]
-        pltriton.store(ref.at[pl.ds(0, rows), pl.ds(col, value.shape[-1])], value, mask=valid)
-
-
 def _kernel(h_ref, parts_ref, norm_ref, w_ref, h_out_ref, y_ref, *, block_k: int, rows: int, eps: float):
     width, dtype, steps = h_ref.shape[-1], h_ref.dtype, h_ref.shape[-1] // block_k
     # One row is handled as a [1, block_k] vector and broadcast to the product's tile rows (the rows past it are
@@ -105,6 +96,7 @@ def _kernel(h_ref, parts_ref, norm_ref, w_ref, h_out_ref, y_ref, *, block_k: int
 
     def step(j, carry):
         acc, squares, (h, parts, norm) = carry
+        col = pl.multiple_of(j * block_k, block_k)
         ahead = fetch(jnp.minimum(j + 1, steps - 1))
         delta = parts[0]
         for part in parts[1:]:
@@ -113,13 +105,13 @@ def _kernel(h_ref, parts_ref, norm_ref, w_ref, h_out_ref, y_ref, *, block_k: int
 
         @pl.when(writes_h)
         def _():
-            _store_columns(h_out_ref, held, pl.multiple_of(j * block_k, block_k), h_new)
+            _store_rows(h_out_ref, held, h_new, col)
 
         h32 = h_new.astype(jnp.float32)  # masked rows and lanes are 0: they add nothing to the squares
         x = (h32 * (1.0 + norm.astype(jnp.float32))[None, :]).astype(dtype)
         if held != rows:
             x = jnp.broadcast_to(x, (rows, block_k))
-        w = w_ref[:, pl.ds(pl.multiple_of(j * block_k, block_k), block_k)]
+        w = w_ref[:, pl.ds(col, block_k)]
         acc = acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return acc, squares + jnp.sum(h32 * h32, axis=1, keepdims=True), ahead
 

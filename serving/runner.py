@@ -709,8 +709,9 @@ class Runner:
         programs take the caches. Returns the seconds."""
         start = time.perf_counter()
         for key in self.unwarmed() if keys is None else keys:
+            inputs = self.padding_inputs(key)
             for _ in range(WARM_UP_RUNS):
-                self._run_on_padding(key, self.executables[key], self.padding_inputs(key))
+                self._run_on_padding(key, self.executables[key], inputs)
         jax.block_until_ready((self.cache, self.token_state))
         return time.perf_counter() - start
 
