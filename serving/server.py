@@ -178,8 +178,8 @@ ERROR_RESPONSES = {status: {"model": api.ErrorResponse} for status in (400, 401,
 async def _startup(_: FastAPI):
     """Before the socket accepts connections: load anyio's asyncio backend, which Starlette's streamed responses
     import at their first use. On a fresh server that import ran on the event loop inside the first streamed
-    request, and the other requests of a first burst reached the engine only after it (a py-spy profile of a
-    16-prompt burst on the tiny server: that import was 61 of the event loop's ~160 busy samples)."""
+    request, and the other requests of a first burst reached the engine only after it (a py-spy profile of a fresh
+    tiny server's first 16-prompt burst found the event loop in that import)."""
     await anyio.sleep(0)
     yield
 
