@@ -153,7 +153,9 @@ class SamplingRow:
     min_p: float
     seed: int
     output_index: int
-    logprobs: int = 0  # top logprobs wanted (the runner computes them only for steps where a row wants some)
+    # None: no logprobs; 0: the token's own; N: also the top N (the runner computes the top ones only for steps
+    # where a row wants some, and brings the token's own to the host only for steps where a row wants it)
+    logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -175,7 +177,7 @@ def fixed_sampling_row(params: GenerationParams) -> SamplingRow | None:
     if (s.temperature > 0 or params.grammar is not None or params.token_filter is not None or params.min_tokens
             or s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1):  # fmt: skip
         return None
-    return SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, 0, params.logprobs or 0, s.logit_bias,
+    return SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, 0, params.logprobs, s.logit_bias,
                        s.presence_penalty, s.frequency_penalty, s.repetition_penalty)  # fmt: skip
 
 
@@ -336,7 +338,7 @@ class Engine:
             bias = s.logit_bias
             if samples and index < gen.params.min_tokens:
                 bias += tuple((token, -np.inf) for token in gen.params.held_back(self.eos_token_ids))
-            rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index, gen.params.logprobs or 0,
+            rows.append(SamplingRow(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, index, gen.params.logprobs,
                                     bias, s.presence_penalty, s.frequency_penalty,
                                     s.repetition_penalty, mask))  # fmt: skip
         return rows
@@ -377,7 +379,8 @@ class Engine:
         for i, row in handle.output_rows():
             if getattr(row, "is_last", True):
                 top = (None, None) if top_ids is None else (top_ids[i], top_lp[i])
-                self._accept(row.request_id, int(tokens[i]), float(chosen[i]), *top)
+                logprob = None if chosen is None else float(chosen[i])  # None: no row of the step wants it
+                self._accept(row.request_id, int(tokens[i]), logprob, *top)
         if self.after_step_outputs is not None:
             self.after_step_outputs()
 
@@ -391,7 +394,7 @@ class Engine:
             top = [(int(i), float(v)) for i, v in zip(top_ids[j, :n], top_lp[j, :n], strict=True)]
             gen.prompt_logprobs.append(TokenLogprob(token, float(logprobs[j]), top, int(ranks[j])))
 
-    def _accept(self, request_id: str, token: int, logprob: float, top_ids, top_lp) -> None:
+    def _accept(self, request_id: str, token: int, logprob: float | None, top_ids, top_lp) -> None:
         gen = self.generations.get(request_id)
         if gen is None:
             return  # retired while this step was in flight

@@ -336,7 +336,7 @@ class StepHandle:
 
     def fetch(self) -> tuple[np.ndarray | None, ...]:
         """Blocks until the step is done; (tokens [R], logprob [R], top ids [R, N], top logprobs [R, N]), the
-        top ones None when no row of the step asked for top logprobs."""
+        logprob None when no row of the step asked for logprobs, the top ones when none asked for top logprobs."""
         return tuple(None if x is None else np.asarray(x) for x in self.outputs)
 
     def fetch_prompt_logprobs(self) -> tuple[np.ndarray, ...]:
@@ -768,6 +768,8 @@ class Runner:
         if any(row.logprobs for row in sampling):
             chosen, top_ids, top_lp = self.row_program("top", key[0] + key[1])(logits, tokens)
         self._copy_prefixes(plan)
+        if all(row.logprobs is None for row in sampling):
+            chosen = None  # nobody reads it: its copy to the host is not started (a copy costs the launch ~50 us)
         outputs = (tokens, chosen, top_ids, top_lp)
         for output in (*outputs, *prompt_outputs):  # start the device-to-host copies now; the host reads them later
             if output is not None:

@@ -224,6 +224,33 @@ def test_next_token_matches_hf_greedy(golden_cases, case):
         assert result.logprobs[0].logprob == pytest.approx(hf_logprobs[j, result.token_ids[0]], abs=HF_LOGPROB_ATOL)
 
 
+def test_a_step_brings_the_tokens_logprob_home_only_when_a_row_wants_it(golden_cases, monkeypatch):
+    """logprobs=0 asks for the token's own logprob and no top ones: it comes back, equal to HF's, beside a request
+    that asked for none in the same steps. Steps in which no row asks leave the logprob on the device (the handle's
+    logprob output is None: no copy to the host is started), and their tokens are the same."""
+    golden = golden_cases("composite_untied_gqa2")
+    handles = []
+    launch = golden.engine.runner.launch
+
+    def spy(plan, sampling):
+        handles.append(launch(plan, sampling))
+        return handles[-1]
+
+    monkeypatch.setattr(golden.engine.runner, "launch", spy)
+    own, plain = generate(
+        golden.engine, [(golden.prompt, greedy(1, logprobs=0)), (golden.prompt, greedy(1, logprobs=None))]
+    )
+    assert own.token_ids == plain.token_ids == [int(np.argmax(golden.logits[0]))]
+    assert own.logprobs[0].top == [] and not plain.logprobs
+    want = log_softmax(golden.logits)[0, own.token_ids[0]]
+    assert own.logprobs[0].logprob == pytest.approx(want, abs=HF_LOGPROB_ATOL)
+    assert any(h.outputs[1] is not None for h in handles)  # the steps of logprobs=0's rows
+    handles.clear()
+    (alone,) = generate(golden.engine, [(golden.prompt, greedy(3, logprobs=None))])
+    assert alone.token_ids[0] == plain.token_ids[0] and not alone.logprobs
+    assert handles and all(h.outputs[1] is None for h in handles)
+
+
 def test_greedy_generation_matches_hf_and_model(golden_cases):
     """Multi-token greedy. HF's greedy continuation itself is not stored (the golden's decode tokens are
     random, teacher-forced), so: the first token is HF's argmax; each later token must be the argmax of
