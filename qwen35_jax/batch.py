@@ -16,14 +16,16 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeSide:
-    tokens: jax.Array  # [B] int32: the token fed for each row
+    # [B] int32: the token fed for each row. None in the engine's step inputs: the step program reads each row's
+    # token from the device's token state, so the host sends none.
+    tokens: jax.Array | None
     positions: jax.Array  # [B] int32: its index in the sequence (= tokens already cached)
     slots: jax.Array  # [B] int32: GDN state slot (padding rows: the trash slot)
     page_table: jax.Array  # [B, W] int32: KV pages in order (unused entries and padding rows: page 0)
 
     @property
     def num_rows(self) -> int:
-        return self.tokens.shape[0]
+        return self.slots.shape[0]
 
 
 @jax.tree_util.register_dataclass

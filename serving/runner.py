@@ -267,7 +267,8 @@ def prompt_logprobs_step(model: ModelDef, mixer_set: Mixers, num_top: int, param
 
 
 def engine_step(model: ModelDef, mixer_set: Mixers, params, cache, token_state, inputs):
-    """forward + greedy tokens; decode tokens come from token_state, the chosen tokens go back into it.
+    """forward + greedy tokens; decode tokens come from token_state (the inputs' are None), the chosen tokens go
+    back into it.
     Returns (cache, token_state, (tokens, their logprobs), logits for the row programs)."""
     slots = []
     if inputs.decode is not None:
@@ -447,7 +448,7 @@ class Runner:
         slots[: len(rows)] = [r.slot for r in rows]
         positions[: len(rows)] = [r.position for r in rows]
         page_table = self._page_table(rows, size)
-        return DecodeSide(tokens=np.zeros(size, np.int32), positions=positions, slots=slots, page_table=page_table)
+        return DecodeSide(tokens=None, positions=positions, slots=slots, page_table=page_table)
 
     def _prefill_side(self, plan: StepPlan, num_rows: int, chunk: int) -> PrefillSide:
         tokens = np.zeros((num_rows, chunk), np.int32)
@@ -470,7 +471,7 @@ class Runner:
         b, p, t = key
         w = self.page_table_width
         i32 = partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-        decode = DecodeSide(i32((b,)), i32((b,)), i32((b,)), i32((b, w))) if b else None
+        decode = DecodeSide(None, i32((b,)), i32((b,)), i32((b, w))) if b else None
         prefill = PrefillSide(i32((p, t)), i32((p,)), i32((p,)), i32((p,)), i32((p, w))) if p else None
         return StepInputs(decode, prefill)
 
@@ -697,7 +698,7 @@ class Runner:
         b, p, t = key
         w = self.page_table_width
         trash = partial(np.full, fill_value=self.trash_slot, dtype=np.int32)
-        decode = DecodeSide(np.zeros(b, np.int32), np.zeros(b, np.int32), trash(b), np.zeros((b, w), np.int32))
+        decode = DecodeSide(None, np.zeros(b, np.int32), trash(b), np.zeros((b, w), np.int32))
         prefill = PrefillSide(np.zeros((p, t), np.int32), np.zeros(p, np.int32), np.full(p, t, np.int32), trash(p),
                               np.zeros((p, w), np.int32))  # fmt: skip
         return StepInputs(decode if b else None, prefill if p else None)

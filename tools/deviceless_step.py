@@ -78,7 +78,9 @@ def compile_step(key: tuple[int, int, int], preset: str, max_batch: int, num_pag
     spec = CacheSpec(num_pages, 16, slots, "float32")
     cache = Cache(**{name: abstract(s.shape, s.dtype) for name, s in spec.shapes(cfg, jnp.bfloat16).items()})
     b, p, t = key
-    decode = DecodeSide(*(abstract((b,), jnp.int32) for _ in range(3)), abstract((b, page_table_width), jnp.int32))
+    decode = DecodeSide(
+        None, *(abstract((b,), jnp.int32) for _ in range(2)), abstract((b, page_table_width), jnp.int32)
+    )
     prefill = PrefillSide(abstract((p, t), jnp.int32), *(abstract((p,), jnp.int32) for _ in range(3)),
                           abstract((p, page_table_width), jnp.int32))  # fmt: skip
     inputs = StepInputs(decode if b else None, prefill if p else None)
