@@ -770,7 +770,7 @@ class Runner:
             chosen, top_ids, top_lp = self.row_program("top", key[0] + key[1])(logits, tokens)
         self._copy_prefixes(plan)
         if all(row.logprobs is None for row in sampling):
-            chosen = None  # nobody reads it: its copy to the host is not started (a copy costs the launch ~50 us)
+            chosen = None  # nobody reads it: its copy to the host is not started (each costs the launch host time)
         outputs = (tokens, chosen, top_ids, top_lp)
         for output in (*outputs, *prompt_outputs):  # start the device-to-host copies now; the host reads them later
             if output is not None:
