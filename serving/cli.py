@@ -261,6 +261,7 @@ def _load(args, config):
 
 def _serve_on(sock, args, config, cfg) -> None:
     from qwen35_jax.serving import server as http
+    from qwen35_jax.serving.factory import freeze_startup_heap
 
     start = time.perf_counter()
     model, engine = _load(args, config)
@@ -280,6 +281,7 @@ def _serve_on(sock, args, config, cfg) -> None:
     def announce() -> None:
         print(f"qwen35-jax serving {name} on {url} (ready in {time.perf_counter() - start:.1f}s)", flush=True)
 
+    freeze_startup_heap(engine.runner)
     engine.start()
     try:
         http.UvicornServer(app, on_started=announce, drain_seconds=args.shutdown_timeout,

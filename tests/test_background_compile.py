@@ -164,3 +164,42 @@ def test_warm_up_runs_each_program_twice(tiny_model):
     runner.warm_up()
     assert calls == [key, key]
     assert not runner.unwarmed()
+
+
+class _Building:
+    """A runner's background build, as `freeze_startup_heap` sees it: running until `finish` is set."""
+
+    def __init__(self):
+        self.finish = threading.Event()
+        self._thread = threading.Thread(target=self.finish.wait, daemon=True)
+        self._thread.start()
+
+    @property
+    def building(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait_for_background(self, timeout=None) -> None:
+        self._thread.join(timeout)
+
+
+def test_the_start_up_heap_is_frozen_now_and_again_after_the_background_build():
+    """The serve command's heap: what is alive at start-up leaves the collector's scans at once, and what the
+    background build made leaves them when the build ends."""
+    import gc
+
+    from qwen35_jax.serving.factory import freeze_startup_heap
+
+    gc.unfreeze()
+    try:
+        runner = _Building()
+        waiter = freeze_startup_heap(runner)
+        at_start = gc.get_freeze_count()
+        assert at_start > 0 and waiter is not None
+        built = [[i] for i in range(1000)]  # what the build makes meanwhile: tracked containers
+        assert waiter.is_alive(), "the second freeze waits for the build"
+        runner.finish.set()
+        waiter.join(10)
+        assert not waiter.is_alive() and gc.get_freeze_count() >= at_start + len(built)
+        assert freeze_startup_heap(runner) is None  # nothing building: one freeze, no thread
+    finally:
+        gc.unfreeze()

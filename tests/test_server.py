@@ -786,6 +786,7 @@ def test_serve_command_starts_announces_and_serves(live_server, tmp_path):
         stop_serve(process)
     progress = stderr.read_text()
     assert "loading weights" in progress and "compiling step programs" in progress
+    assert "froze the start-up heap" in progress  # out of the garbage collector's scans (factory.freeze_startup_heap)
     assert process.stdout.read() == "", "start-up must print exactly one line to stdout"
 
 
