@@ -238,7 +238,7 @@ def freeze_startup_heap(runner: Runner) -> threading.Thread | None:
     background build is done (the thread that waits for it is returned; None when nothing builds).
 
     Why: a built engine holds ~0.9 million objects that live as long as the process (programs, pytrees, the
-    tokenizer). Python's full collections walk all of them: 0.52-0.62 s a pass for the tiny preset on the 2-core
+    tokenizer). Python's full collections walk all of them: 0.51-0.62 s a pass for the tiny preset on the 2-core
     CPU, during which the engine thread and the event loop both stop. A frozen heap leaves a pass only the objects
     made since (docs/architecture.md, section 1). Only the young generations are collected first: a full pass at
     that point found nothing to reclaim, as the collections during start-up already ran, and would add its own
