@@ -170,8 +170,10 @@ def mlp_down_parts_pallas(product, w, *, tuning: LinearTuning = LinearTuning(), 
     """Pallas form of `mlp_down_parts_ref`: `linear_parts_pallas` of silu_mul(gate, up), the activation made in
     the kernel from the gate and up tiles as it loads them. At a few rows the activation is a kernel of its own
     otherwise, ~1.4 us on the H100 for a [1, 9216] row and one more node of the step's CUDA graph, in each of the
-    32 layers of 4B; each program here remakes only its K range of the activation from L2. Shapes the product
-    kernel does not take go to `mlp_down_parts_ref`."""
+    32 layers of 4B; each program here remakes only its K range of the activation from L2. Triton pipelines the
+    gate and up tiles' loads with W's (the PTX has their cp.async copies in every stage; `norm_linear`'s fetches,
+    which it did not pipeline, are made by hand). Shapes the product kernel does not take go to
+    `mlp_down_parts_ref`."""
     n, k = w.shape
     if product.shape[-1] != 2 * k:
         raise ValueError(f"the gate/up product's last axis {product.shape[-1]} is not twice w's K={k}")
