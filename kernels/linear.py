@@ -89,23 +89,11 @@ def _load_rows(ref, rows: int, col, width: int):
     return pltriton.load(ref.at[pl.ds(0, rows), pl.ds(col, width)], mask=valid, other=0)
 
 
-def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """The MLP's activation: silu(gate) rounded to the model dtype, times up (the exact product of two bf16
-    values fits fp32, so this rounds once, as a bf16 multiply does)."""
-    act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
-    return (act.astype(jnp.float32) * up.astype(jnp.float32)).astype(up.dtype)
-
-
-def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, rows: int, up_col: int | None = None):
-    """up_col: x_ref holds the MLP's gate/up product, up's columns from up_col on, and the operand is
-    silu_mul(gate, up), made from both tiles as they load (`mlp_down_parts_pallas`)."""
+def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, rows: int):
     first = pl.program_id(1) * steps
 
     def step(j, acc):  # x feeds the product as loaded, so Triton pipelines its load with w's
-        col = pl.multiple_of((first + j) * block_k, block_k)
-        x = _load_rows(x_ref, rows, col, block_k)
-        if up_col is not None:
-            x = silu_mul(x, _load_rows(x_ref, rows, pl.multiple_of(col + up_col, block_k), block_k))
+        x = _load_rows(x_ref, rows, pl.multiple_of((first + j) * block_k, block_k), block_k)
         w = w_ref[:, pl.ds(pl.multiple_of(j * block_k, block_k), block_k)]
         return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -156,49 +144,15 @@ def linear_parts_pallas(x, w, *, tuning: LinearTuning = LinearTuning(), interpre
     block_n, block_k = _tile(n, tuning.block_n), _tile(k, tuning.block_k)
     if not fits_kernel(x.shape, w.shape, block_n, block_k, tuning.max_rows):
         return linear_parts_ref(x, w)
-    return _parts_call(x, w, block_n, block_k, tuning, interpret, name="linear")
-
-
-def mlp_down_parts_ref(product: jax.Array, w: jax.Array) -> jax.Array:
-    """The MLP's down projection of its gate/up product [..., 2 I] (gate, then up): silu_mul(gate, up) @ w^T as
-    one part [1, ..., N] (`linear_parts_ref`), w [N, I]."""
-    gate, up = jnp.split(product, 2, axis=-1)
-    return linear_parts_ref(silu_mul(gate, up), w)
-
-
-def mlp_down_parts_pallas(product, w, *, tuning: LinearTuning = LinearTuning(), interpret: bool = False):
-    """Pallas form of `mlp_down_parts_ref`: `linear_parts_pallas` of silu_mul(gate, up), the activation made in
-    the kernel from the gate and up tiles as it loads them. At a few rows the activation is a kernel of its own
-    otherwise, ~1.4 us on the H100 for a [1, 9216] row and one more node of the step's CUDA graph, in each of the
-    32 layers of 4B; each program here remakes only its K range of the activation from L2. Triton pipelines the
-    gate and up tiles' loads with W's (the PTX has their cp.async copies in every stage; `norm_linear`'s fetches,
-    which it did not pipeline, are made by hand). Shapes the product kernel does not take go to
-    `mlp_down_parts_ref`."""
-    n, k = w.shape
-    if product.shape[-1] != 2 * k:
-        raise ValueError(f"the gate/up product's last axis {product.shape[-1]} is not twice w's K={k}")
-    block_n, block_k = _tile(n, tuning.block_n), _tile(k, tuning.block_k)
-    if not fits_kernel((*product.shape[:-1], k), w.shape, block_n, block_k, tuning.max_rows):
-        return mlp_down_parts_ref(product, w)
-    return _parts_call(product, w, block_n, block_k, tuning, interpret, name="mlp_down", up_col=k)
-
-
-def _parts_call(x, w, block_n: int, block_k: int, tuning: LinearTuning, interpret: bool, *, name: str,
-                up_col: int | None = None):  # fmt: skip
-    """The kernel's pallas_call over x [..., K] (or, with up_col, the gate/up product [..., 2 K]) and w [N, K]:
-    the partial sums [splits, ..., N]."""
-    n, k = w.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, k)
     m = x2.shape[0]
     splits = tuning.splits or default_splits(n, k, block_n, block_k, tuning)
     steps = k // block_k // splits
     if steps * splits * block_k != k:
         raise ValueError(f"splits={splits} does not divide K={k} into block_k={block_k} steps")
-    kernel = functools.partial(_kernel, block_k=block_k, steps=steps, rows=pl.next_power_of_2(max(m, 16)),
-                               up_col=up_col)  # fmt: skip
     out = pl.pallas_call(
-        kernel,
+        functools.partial(_kernel, block_k=block_k, steps=steps, rows=pl.next_power_of_2(max(m, 16))),
         grid=(n // block_n, splits),
         in_specs=[pl.BlockSpec(x2.shape, lambda i, s: (0, 0)),
                   pl.BlockSpec((block_n, steps * block_k), lambda i, s: (i, s))],
@@ -206,7 +160,7 @@ def _parts_call(x, w, block_n: int, block_k: int, tuning: LinearTuning, interpre
         out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
-        name=name,
+        name="linear",
     )(x2, w)  # fmt: skip
     return out.reshape(splits, *lead, n)
 

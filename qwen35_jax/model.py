@@ -32,7 +32,7 @@ from qwen35_jax.kernels import Mixers
 from qwen35_jax.kernels.attention_inputs import split_parts
 from qwen35_jax.kernels.decode_attention import output_gate
 from qwen35_jax.kernels.gdn_decode import gate_columns, gated_rms_norm, gdn_gates
-from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref, mlp_down_parts_ref
+from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref
 from qwen35_jax.kernels.norm_linear import FUSED_MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
 
@@ -63,6 +63,13 @@ INPUT_PROJECTIONS = ("in_proj", "qkv_proj")
 def _param(shape, dtype) -> nnx.Param:
     # Values are filled from a checkpoint or by weights.random_params; modules are built abstractly.
     return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The MLP's activation: silu(gate) rounded to the model dtype, times up (the exact product of two bf16
+    values fits fp32, so this rounds once, as a bf16 multiply does)."""
+    act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+    return (act.astype(jnp.float32) * up.astype(jnp.float32)).astype(up.dtype)
 
 
 class Linear(nnx.Module):
@@ -142,19 +149,20 @@ def _projections(cfg: Qwen35Config, name: str, module: Linear, x, linear) -> lis
 
 class MLP(nnx.Module):
     """down(silu(gate(x)) * up(x)), gate and up as one [2 x intermediate, hidden] weight; down's output as partial
-    sums, which the next norm adds to the residual. The activation is made where the down projection reads the
-    gate/up product (`Mixers.mlp_down_parts`: inside the product kernel at a few rows)."""
+    sums (`Linear.parts`), which the next norm adds to the residual."""
 
     def __init__(self, cfg: Qwen35Config, dtype):
         self.cfg = cfg
         self.gate_up_proj = _fused_linear(cfg, "gate_up_proj", cfg.hidden_size, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
-    def __call__(self, x, linear=linear_ref, mlp_down_parts=mlp_down_parts_ref, product=None):
+    def __call__(self, x, linear=linear_ref, linear_parts=linear_parts_ref, product=None):
         """product: gate_up_proj's output over the fused weight, when the caller made it (x is then unused)."""
         if product is None:
-            (product,) = _products(self.cfg, "gate_up_proj", self.gate_up_proj, x, linear)
-        return mlp_down_parts(product, self.down_proj.weight[...])
+            gate, up = _projections(self.cfg, "gate_up_proj", self.gate_up_proj, x, linear)
+        else:
+            gate, up = jnp.split(product, _part_bounds(self.cfg, "gate_up_proj"), axis=-1)
+        return self.down_proj.parts(silu_mul(gate, up), linear_parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +343,7 @@ class DecoderLayer(nnx.Module):
         else:
             out, cache = self.self_attn(x, cache, layer, ctx, product=product)
         h, x, product = self._norm(self.post_attention_layernorm, h, out, self.mlp.gate_up_proj, ctx.mixers)
-        return h, self.mlp(x, ctx.mixers.linear, ctx.mixers.mlp_down_parts, product=product), cache, state
+        return h, self.mlp(x, ctx.mixers.linear, ctx.mixers.linear_parts, product=product), cache, state
 
     @staticmethod
     def _norm(norm: RMSNorm, h, parts, linear: Linear, mixers: Mixers):
@@ -520,9 +528,9 @@ def forward(
 
 def _no_pending(h, cfg: Qwen35Config, mixers: Mixers) -> jax.Array:
     """Zero partial sums in the form the MLP's down projection gives them, for the first layer's residual add."""
-    gate_up = jax.ShapeDtypeStruct((*h.shape[:-1], 2 * cfg.intermediate_size), h.dtype)
+    down_in = jax.ShapeDtypeStruct((*h.shape[:-1], cfg.intermediate_size), h.dtype)
     down_weight = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.intermediate_size), h.dtype)
-    parts = jax.eval_shape(mixers.mlp_down_parts, gate_up, down_weight)
+    parts = jax.eval_shape(mixers.linear_parts, down_in, down_weight)
     return jnp.zeros(parts.shape, parts.dtype)
 
 
