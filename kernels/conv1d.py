@@ -57,6 +57,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from qwen35_jax.kernels.device import start_dependents
+
 
 @dataclasses.dataclass(frozen=True)
 class ConvUpdateTuning:
@@ -127,10 +129,10 @@ def causal_conv1d_update_pool_ref(x, weight, pool, layer, slots):
     return y, pool.at[layer, slots].set(state)
 
 
-def _update_pool_kernel(layer_ref, slots_ref, x_ref, weight_ref, pool_ref, y_ref, new_pool_ref):
+def _update_pool_kernel(layer_ref, slots_ref, x_ref, weight_ref, pool_ref, y_ref, new_pool_ref, *, early_launch: bool):
     """layer_ref [1], slots_ref [B] int32; pool_ref, new_pool_ref the whole [L, S, K-1, C] pool (one buffer on the
     GPU, aliased); x_ref, y_ref [block_c]; weight_ref [block_c, K]."""
-    row, block = pl.program_id(0), pl.program_id(1)
+    row, block = start_dependents(pl.program_id(0), early_launch), pl.program_id(1)
     block_c = x_ref.shape[0]
     keep = pool_ref.shape[2]
     layer, slot, columns = layer_ref[0], slots_ref[row], pl.ds(block * block_c, block_c)
@@ -153,7 +155,7 @@ def causal_conv1d_update_pool_pallas(x, weight, pool, layer, slots, *, interpret
     row_spec = pl.BlockSpec((None, block_c), lambda b, c: (b, c))
     whole = pl.BlockSpec(memory_space=pl.ANY)  # the kernel finds its rows from slots
     return pl.pallas_call(
-        _update_pool_kernel,
+        functools.partial(_update_pool_kernel, early_launch=not interpret),
         grid=(batch, channels // block_c),
         in_specs=[whole, whole, row_spec, pl.BlockSpec((block_c, taps), lambda b, c: (c, 0)), whole],
         out_specs=[row_spec, whole],

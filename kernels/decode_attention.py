@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from qwen35_jax.kernels.device import sm_count
+from qwen35_jax.kernels.device import sm_count, start_dependents
 
 
 def gather_pages(pages: jax.Array, layer, page_table: jax.Array) -> jax.Array:
@@ -173,8 +173,8 @@ def store_rows(ref, value) -> None:
 
 
 def _decode_kernel(layer_ref, lengths_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, m_ref, l_ref,
-                   *, block_k: int, num_splits: int, scale: float, rows: int):  # fmt: skip
-    row, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+                   *, block_k: int, num_splits: int, scale: float, rows: int, early_launch: bool):  # fmt: skip
+    row, kv_head, split = start_dependents(pl.program_id(0), early_launch), pl.program_id(1), pl.program_id(2)
     length, layer = lengths_ref[row], layer_ref[0]
     q = load_rows(q_ref, rows)  # [rows, D]: this KV head's query heads, zero-padded
     precision = dot_precision(q.dtype)
@@ -253,7 +253,9 @@ def paged_decode_attention_pallas(q, k_pages, v_pages, layer, page_table, length
         qg = pad_to(qg[:batch], (batch, kv_heads, held, dim))
     if num_splits is None:
         num_splits = decode_splits(batch, kv_heads, page_table.shape[1] * page_size, block_k)
-    kernel = functools.partial(_decode_kernel, block_k=block_k, num_splits=num_splits, scale=dim**-0.5, rows=rows)
+    kernel = functools.partial(
+        _decode_kernel, block_k=block_k, num_splits=num_splits, scale=dim**-0.5, rows=rows, early_launch=not interpret
+    )
     whole = pl.BlockSpec(memory_space=pl.ANY)
     partial_shape = (num_splits, batch, kv_heads, held)
     compiler_params = plgpu.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages)

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from qwen35_jax.kernels.device import start_dependents
 from qwen35_jax.kernels.gdn_prefill import prepare_qk, split_packed_heads
 
 EPS = 1e-6
@@ -158,11 +159,11 @@ def gdn_decode_pool_ref(q, k, v, g, beta, pool, layer, slots, trash_slot="last")
 
 
 def _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta, pool_ref, o_ref, new_pool_ref, trash: int,
-                 finish=None):  # fmt: skip
+                 early_launch: bool, finish=None):  # fmt: skip
     """layer_ref [1], slots_ref [B] int32; q_ref, k_ref [dk]; v_ref, o_ref [block_dv]; g, beta fp32 scalars;
     pool_ref, new_pool_ref the whole [L, S, nv, dk, dv] pool (one buffer on the GPU, aliased); finish: o [block_dv]
     in o_ref's dtype -> what o_ref stores (the output norm), or None."""
-    row, head, block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, head, block = start_dependents(pl.program_id(0), early_launch), pl.program_id(1), pl.program_id(2)
     block_dv = o_ref.shape[0]
     # This program's tile pool[layer, slots[row], head, :, block]. Scalar indices into the pl.ANY ref: the
     # lowering turns them into offsets index * stride, in int64 once the pool passes 2^32 bytes (module notes).
@@ -185,29 +186,30 @@ def _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta, pool_ref, o
 
 
 def _pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_ref, o_ref, new_pool_ref, *,
-                        trash: int):  # fmt: skip
+                        trash: int, early_launch: bool):  # fmt: skip
     """g_ref, beta_ref []: the row's and head's gates, given."""
     g, beta = g_ref[...], beta_ref[...].astype(jnp.float32)
-    _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta, pool_ref, o_ref, new_pool_ref, trash)
+    _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta, pool_ref, o_ref, new_pool_ref, trash, early_launch)
 
 
 def _gated_pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, b_ref, a_ref, a_log_ref, dt_bias_ref,
-                              pool_ref, o_ref, new_pool_ref, *, trash: int):  # fmt: skip
+                              pool_ref, o_ref, new_pool_ref, *, trash: int, early_launch: bool):  # fmt: skip
     """b_ref, a_ref []: the row's in_proj b and a of this head; a_log_ref, dt_bias_ref []: the head's parameters.
     The gates are made here (`gdn_gates`), so they cost no kernels of their own."""
     g, beta = gdn_gates(a_ref[...], b_ref[...], a_log_ref[...], dt_bias_ref[...])
     _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta.astype(jnp.float32), pool_ref, o_ref,
-                 new_pool_ref, trash)  # fmt: skip
+                 new_pool_ref, trash, early_launch)  # fmt: skip
 
 
 def _gated_normed_pool_decode_kernel(layer_ref, slots_ref, q_ref, k_ref, v_ref, b_ref, a_ref, a_log_ref, dt_bias_ref,
-                                     z_ref, norm_weight_ref, pool_ref, o_ref, new_pool_ref, *, trash: int, eps: float):  # fmt: skip
+                                     z_ref, norm_weight_ref, pool_ref, o_ref, new_pool_ref, *, trash: int, eps: float,
+                                     early_launch: bool):  # fmt: skip
     """`_gated_pool_decode_kernel` with the output norm applied to the head's whole o (block_dv = dv): z_ref [dv] the
     row's and head's gate columns of the in_proj's output, norm_weight_ref [dv] (`gated_rms_norm`). A padding row's
     o stays 0, as the norm of a zero o is 0."""
     g, beta = gdn_gates(a_ref[...], b_ref[...], a_log_ref[...], dt_bias_ref[...])
     _decode_tile(layer_ref, slots_ref, q_ref, k_ref, v_ref, g, beta.astype(jnp.float32), pool_ref, o_ref,
-                 new_pool_ref, trash, finish=lambda o: gated_rms_norm(o, norm_weight_ref[...], z_ref[...], eps))  # fmt: skip
+                 new_pool_ref, trash, early_launch, finish=lambda o: gated_rms_norm(o, norm_weight_ref[...], z_ref[...], eps))  # fmt: skip
 
 
 def gdn_decode_pool_pallas(q, k, v, g, beta, pool, layer, slots, trash_slot="last", *, interpret=False,
@@ -229,7 +231,7 @@ def _pool_call(q, k, v, heads, pool, layer, slots, trash_slot, grid, qkv_specs, 
     whole = pl.BlockSpec(memory_space=pl.ANY)  # no blocking: the kernel computes its pool tile from slots
     batch, num_value_heads = slots.shape[0], pool.shape[2]
     return pl.pallas_call(
-        functools.partial(kernel, trash=_trash(pool, trash_slot)),
+        functools.partial(kernel, trash=_trash(pool, trash_slot), early_launch=not interpret),
         grid=grid,
         in_specs=[whole, whole, *qkv_specs, *head_specs, whole],
         out_specs=[out_spec, whole],

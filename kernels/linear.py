@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from qwen35_jax.kernels.device import sm_count
+from qwen35_jax.kernels.device import sm_count, start_dependents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +89,8 @@ def _load_rows(ref, rows: int, col, width: int):
     return pltriton.load(ref.at[pl.ds(0, rows), pl.ds(col, width)], mask=valid, other=0)
 
 
-def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, rows: int):
-    first = pl.program_id(1) * steps
+def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, rows: int, early_launch: bool):
+    first = start_dependents(pl.program_id(1), early_launch) * steps
 
     def step(j, acc):  # x feeds the product as loaded, so Triton pipelines its load with w's
         x = _load_rows(x_ref, rows, pl.multiple_of((first + j) * block_k, block_k), block_k)
@@ -152,7 +152,8 @@ def linear_parts_pallas(x, w, *, tuning: LinearTuning = LinearTuning(), interpre
     if steps * splits * block_k != k:
         raise ValueError(f"splits={splits} does not divide K={k} into block_k={block_k} steps")
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, steps=steps, rows=pl.next_power_of_2(max(m, 16))),
+        functools.partial(_kernel, block_k=block_k, steps=steps, rows=pl.next_power_of_2(max(m, 16)),
+                          early_launch=not interpret),
         grid=(n // block_n, splits),
         in_specs=[pl.BlockSpec(x2.shape, lambda i, s: (0, 0)),
                   pl.BlockSpec((block_n, steps * block_k), lambda i, s: (i, s))],

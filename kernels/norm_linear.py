@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from qwen35_jax.kernels.device import start_dependents
 from qwen35_jax.kernels.linear import (
     LinearTuning,
     _load_rows,
@@ -79,12 +80,13 @@ def _parts_rows(ref, s: int, rows: int, col, width: int):
     return block.sum(axis=0).astype(jnp.float32)
 
 
-def _kernel(h_ref, parts_ref, norm_ref, w_ref, h_out_ref, y_ref, *, block_k: int, rows: int, eps: float):
+def _kernel(h_ref, parts_ref, norm_ref, w_ref, h_out_ref, y_ref, *, block_k: int, rows: int, eps: float,
+            early_launch: bool):  # fmt: skip
     width, dtype, steps = h_ref.shape[-1], h_ref.dtype, h_ref.shape[-1] // block_k
     # One row is handled as a [1, block_k] vector and broadcast to the product's tile rows (the rows past it are
     # never stored), so the carried loads cost a few registers, not 16 rows of them.
     held = 1 if h_ref.shape[0] == 1 else rows
-    writes_h = pl.program_id(0) == 0
+    writes_h = start_dependents(pl.program_id(0), early_launch) == 0
 
     def fetch(j):
         """Step j's h, parts and norm weight slices. Triton pipelines only the loads that feed the dot as loaded
@@ -148,7 +150,8 @@ def norm_linear_pallas(h, parts, norm_weight, weight, eps: float, *, tuning: Nor
     block_n, block_k = _tile(n, tuning.linear.block_n), _tile(width, tuning.linear.block_k)
     whole = lambda i: (0, 0)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, rows=pl.next_power_of_2(max(rows, 16)), eps=eps),
+        functools.partial(_kernel, block_k=block_k, rows=pl.next_power_of_2(max(rows, 16)), eps=eps,
+                          early_launch=not interpret),
         grid=(n // block_n,),
         in_specs=[pl.BlockSpec(h.shape, whole), pl.BlockSpec(parts.shape, lambda i: (0, 0, 0)),
                   pl.BlockSpec((width,), lambda i: (0,)), pl.BlockSpec((block_n, width), lambda i: (i, 0))],

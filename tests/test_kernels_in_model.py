@@ -72,3 +72,40 @@ def test_each_kernel_is_lowered_once_per_program(layout):
         runner._jitted, runner._param_leaves, runner.cache, runner.token_state, inputs
     ).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 10
+
+
+def test_decode_kernels_let_the_next_kernel_launch_early():
+    """A 4B batch-1 decode step lowered for an abstract H200: the weight products (`linear`, `norm_linear`), the GDN
+    decode, the conv update and decode attention let the kernel after them launch from their entry
+    (`griddepcontrol.launch_dependents`, `kernels.device.start_dependents`); the attention inputs and the lone
+    residual norm do not. Each kernel is a private function of the lowered module, suffixed when lowered at
+    several shapes."""
+    import re
+
+    import jax.numpy as jnp
+    from _lowering import lower_jitted_for_h200
+
+    from qwen35_jax.cache import CacheSpec
+    from qwen35_jax.config import preset
+    from qwen35_jax.model import abstract_model
+    from qwen35_jax.serving.runner import Buckets, Runner
+
+    model_def, params = abstract_model(preset("4b"), jnp.bfloat16)
+    runner = Runner(model_def, params, mixers("pallas"), CacheSpec(4, 16, 2), Buckets((1,), (1,), (64,)), 256)
+    text = lower_jitted_for_h200(
+        runner._jitted, runner._param_leaves, runner.cache, runner.token_state, runner._abstract_inputs((1, 0, 0))
+    ).as_text()
+    signals = {}
+    for function in text.split("func.func private @")[1:]:
+        if "__gpu$xla.gpu.triton" in function:
+            name = re.sub(r"_\d+$", "", function.split("(")[0])
+            signals.setdefault(name, set()).add("griddepcontrol.launch_dependents" in function)
+    assert signals == {
+        "linear_parts_pallas": {True},
+        "norm_linear_pallas": {True},
+        "gdn_decode_pool_gated_pallas": {True},
+        "causal_conv1d_update_pool_pallas": {True},
+        "paged_decode_attention_pallas": {True},
+        "attention_inputs_pallas": {False},
+        "residual_norm_pallas": {False},
+    }
