@@ -43,6 +43,29 @@ def test_pallas_is_the_gpu_default_and_refused_elsewhere(monkeypatch):
         check_selectable("triton", "gpu")
 
 
+def lowered_4b_step(kernel_set, key, per_group: bool = False) -> str:
+    """The text of the 4B step program for `key` (decode rows, prompt chunks, chunk tokens) with `kernel_set`,
+    lowered for an abstract H200 (nothing allocated); per_group: the weights unstacked into per-group arrays."""
+    import jax
+    import jax.numpy as jnp
+    from _lowering import lower_jitted_for_h200
+
+    from qwen35_jax.cache import CacheSpec
+    from qwen35_jax.config import preset
+    from qwen35_jax.model import abstract_model, unstack_groups
+    from qwen35_jax.serving.runner import Buckets, Runner
+
+    model_def, params = abstract_model(preset("4b"), jnp.bfloat16)
+    if per_group:
+        params = jax.eval_shape(unstack_groups, params)
+    decode, chunks, tokens = key
+    buckets = Buckets((max(decode, 1),), (max(chunks, 1),), (max(tokens, 64),))
+    runner = Runner(model_def, params, kernel_set, CacheSpec(4, 16, 2), buckets, 256)
+    return lower_jitted_for_h200(
+        runner._jitted, runner._param_leaves, runner.cache, runner.token_state, runner._abstract_inputs(key)
+    ).as_text()
+
+
 @pytest.mark.parametrize("layout", ["stacked", "per_group"])
 def test_each_kernel_is_lowered_once_per_program(layout):
     """A 4B unified step program lowered for an abstract H200 holds each Triton kernel once, however many
@@ -51,26 +74,10 @@ def test_each_kernel_is_lowered_once_per_program(layout):
     prefill (3 kernels) + in-pool decode, the attention inputs, decode attention and its gated merge, the residual
     add + norm = 10 distinct kernels (68 rows: the weight products are XLA's); prefill attention is the
     reference's here, since tokamax's Mosaic GPU chunk kernel lowers only on a real GPU."""
-    import jax
-    import jax.numpy as jnp
-    from _lowering import lower_jitted_for_h200
-
-    from qwen35_jax.cache import CacheSpec
-    from qwen35_jax.config import preset
     from qwen35_jax.kernels import REF
-    from qwen35_jax.model import abstract_model, unstack_groups
-    from qwen35_jax.serving.runner import Buckets, Runner
 
-    model_def, params = abstract_model(preset("4b"), jnp.bfloat16)
-    if layout == "per_group":
-        params = jax.eval_shape(unstack_groups, params)
     kernel_set = mixers("pallas")._replace(prefill_attention=REF.prefill_attention)
-    runner = Runner(model_def, params, kernel_set, CacheSpec(4, 16, 2), Buckets((4,), (1,), (64,)), 256)
-    key = (4, 1, 64)
-    inputs = runner._abstract_inputs(key)
-    text = lower_jitted_for_h200(
-        runner._jitted, runner._param_leaves, runner.cache, runner.token_state, inputs
-    ).as_text()
+    text = lowered_4b_step(kernel_set, (4, 1, 64), per_group=layout == "per_group")
     assert text.count("__gpu$xla.gpu.triton") == 10
 
 
@@ -82,19 +89,7 @@ def test_decode_kernels_let_the_next_kernel_launch_early():
     several shapes."""
     import re
 
-    import jax.numpy as jnp
-    from _lowering import lower_jitted_for_h200
-
-    from qwen35_jax.cache import CacheSpec
-    from qwen35_jax.config import preset
-    from qwen35_jax.model import abstract_model
-    from qwen35_jax.serving.runner import Buckets, Runner
-
-    model_def, params = abstract_model(preset("4b"), jnp.bfloat16)
-    runner = Runner(model_def, params, mixers("pallas"), CacheSpec(4, 16, 2), Buckets((1,), (1,), (64,)), 256)
-    text = lower_jitted_for_h200(
-        runner._jitted, runner._param_leaves, runner.cache, runner.token_state, runner._abstract_inputs((1, 0, 0))
-    ).as_text()
+    text = lowered_4b_step(mixers("pallas"), (1, 0, 0))
     signals = {}
     for function in text.split("func.func private @")[1:]:
         if "__gpu$xla.gpu.triton" in function:
