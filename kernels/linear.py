@@ -50,7 +50,6 @@ class LinearTuning:
     programs_per_sm: int = 2
     min_steps: int = 4  # block_k steps a program at least (a longer loop pipelines its loads better)
     splits: int | None = None  # K splits; None: `default_splits`
-    stream: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):  # a tile that cannot divide would send every shape to XLA's product
@@ -134,112 +133,11 @@ def linear_parts_ref(x: jax.Array, w: jax.Array) -> jax.Array:
     return linear_ref(x, w)[None]
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamPlan:
-    """How `_stream_kernel` shares a product out: the weight is `columns` column blocks of `steps` block_k steps,
-    `total` = columns x steps steps in column-major order, and program p walks steps [p T / P, (p + 1) T / P).
-    `slots`: the most programs that share one column block (the partial sums out, [slots, M, N])."""
-
-    programs: int
-    columns: int
-    steps: int
-    slots: int
-
-    @property
-    def total(self) -> int:
-        return self.columns * self.steps
-
-    def first_program(self, step: int) -> int:
-        """The program whose range holds flat step `step` (the largest p with p T / P <= step)."""
-        return ((step + 1) * self.programs - 1) // self.total
-
-
-def stream_plan(n: int, k: int, block_n: int, block_k: int, tuning: LinearTuning = LinearTuning()) -> StreamPlan:
-    """Every SM gets `programs_per_sm` programs of equal work (to within one step), each >= `min_steps` steps."""
-    columns, steps = n // block_n, k // block_k
-    programs = max(1, min(tuning.programs_per_sm * sm_count(), columns * steps // tuning.min_steps))
-    plan = StreamPlan(programs, columns, steps, 1)
-    slots = max(plan.first_program(c * steps + steps - 1) - plan.first_program(c * steps) + 1 for c in range(columns))
-    return dataclasses.replace(plan, slots=slots)
-
-
-def _store_part(ref, slot, rows: int, value, col) -> None:
-    """value [rows, width] into part `slot` of ref [slots, M, N] at column col, the rows past M masked off."""
-    index = (slot, pl.ds(0, rows), pl.ds(col, value.shape[-1]))
-    if ref.shape[1] == rows:
-        ref[index] = value
-    else:
-        valid = jnp.arange(rows)[:, None] < ref.shape[1]
-        pltriton.store(ref.at[index], value, mask=valid)
-
-
-def _stream_kernel(x_ref, w_ref, out_ref, *, plan: StreamPlan, block_n: int, block_k: int, rows: int,
-                   early_launch: bool):  # fmt: skip
-    p = start_dependents(pl.program_id(0), early_launch)
-    start, end = p * plan.total // plan.programs, (p + 1) * plan.total // plan.programs
-
-    def step(t, acc):
-        column = t // plan.steps
-        j = t - column * plan.steps
-        col = pl.multiple_of(j * block_k, block_k)
-        x = _load_rows(x_ref, rows, col, block_k)
-        w = w_ref[pl.ds(pl.multiple_of(column * block_n, block_n), block_n), pl.ds(col, block_k)]
-        acc = acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        column_done = j == plan.steps - 1
-        flush = column_done | (t == end - 1)
-
-        @pl.when(flush)
-        def _():
-            # The programs that share a column are consecutive: each writes its partial sum to its own slot, and
-            # the one that finishes the column zeroes the slots no program takes (the sum reads all of them).
-            slot = p - ((column * plan.steps + 1) * plan.programs - 1) // plan.total
-            out_col = pl.multiple_of(column * block_n, block_n)
-            _store_part(out_ref, slot, rows, acc.astype(out_ref.dtype), out_col)
-            for extra in range(1, plan.slots):
-
-                @pl.when(column_done & (slot + extra < plan.slots))
-                def _():
-                    _store_part(out_ref, slot + extra, rows, jnp.zeros_like(acc, out_ref.dtype), out_col)
-
-        return jnp.where(flush, 0.0, acc)
-
-    lax.fori_loop(start, end, step, jnp.zeros((rows, block_n), jnp.float32))
-
-
-def linear_parts_stream(x, w, *, tuning: LinearTuning = LinearTuning(), interpret: bool = False):
-    n, k = w.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={k}")
-    block_n, block_k = _tile(n, tuning.block_n), _tile(k, tuning.block_k)
-    if not fits_kernel(x.shape, w.shape, block_n, block_k, tuning.max_rows):
-        return linear_parts_ref(x, w)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    plan = stream_plan(n, k, block_n, block_k, tuning)
-    out = pl.pallas_call(
-        functools.partial(_stream_kernel, plan=plan, block_n=block_n, block_k=block_k,
-                          rows=pl.next_power_of_2(max(m, 16)), early_launch=not interpret),
-        grid=(plan.programs,),
-        in_specs=[pl.BlockSpec(x2.shape, lambda p: (0, 0)), pl.BlockSpec(w.shape, lambda p: (0, 0))],
-        out_specs=pl.BlockSpec((plan.slots, m, n), lambda p: (0, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((plan.slots, m, n), x.dtype if plan.slots == 1 else jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
-        interpret=interpret,
-        name="linear",
-    )(x2, w)  # fmt: skip
-    return out.reshape(plan.slots, *lead, n)
-
-
 def linear_parts_pallas(x, w, *, tuning: LinearTuning = LinearTuning(), interpret: bool = False):
     """The product as the kernel's K-split partial sums [splits, ..., N], fp32 (or one part in x's dtype when K is
     not split): a consumer that sums them itself (`kernels.residual_norm`) saves the sum's kernel. Rows beyond
     tuning.max_rows, and shapes the tiles do not divide, take `linear_parts_ref`. The tiles are tuning's, cut to
     the largest power of two dividing N and K, so one tuning serves every product of a model."""
-    import os  # EXPERIMENT ONLY
-
-    if tuning.stream and not tuning.splits and os.environ.get("QX_LINEAR_STREAM", "1") == "1":
-        return linear_parts_stream(x, w, tuning=tuning, interpret=interpret)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={k}")

@@ -41,11 +41,9 @@ from qwen35_jax.kernels.device import start_dependents
 from qwen35_jax.kernels.linear import (
     LinearTuning,
     _load_rows,
-    _store_part,
     _store_rows,
     _tile,
     default_splits,
-    stream_plan,
     fits_kernel,
     linear_pallas,
     linear_ref,
@@ -148,12 +146,6 @@ def norm_linear_pallas(h, parts, norm_weight, weight, eps: float, *, tuning: Nor
     if not fuses(h.shape, weight.shape, tuning):
         h, x = residual_norm_pallas(h, parts, norm_weight, eps, interpret=interpret)
         return h, linear_pallas(x, weight, tuning=tuning.linear, interpret=interpret)
-    import os  # EXPERIMENT ONLY
-
-    mode = os.environ.get("QX_NORM_STREAM", "none")
-    if mode == "all" or (mode == "mlp" and weight.shape[0] == 18432):
-        h_new, y = norm_linear_parts_pallas(h, parts, norm_weight, weight, eps, tuning=tuning, interpret=interpret)
-        return h_new, y.sum(axis=0).astype(h.dtype)
     n = weight.shape[0]
     block_n, block_k = _tile(n, tuning.linear.block_n), _tile(width, tuning.linear.block_k)
     whole = lambda i: (0, 0)  # noqa: E731
@@ -170,96 +162,3 @@ def norm_linear_pallas(h, parts, norm_weight, weight, eps: float, *, tuning: Nor
         interpret=interpret,
         name="norm_linear",
     )(h, parts, norm_weight, weight)  # fmt: skip
-
-
-def _stream_kernel(h_ref, parts_ref, norm_ref, w_ref, h_out_ref, y_ref, *, plan, block_n: int, block_k: int,
-                   rows: int, eps: float, early_launch: bool):  # fmt: skip
-    """`linear._stream_kernel`'s schedule over the norm's operand. A program sees only part of K, so the row's scale
-    comes from the whole row after the loop, and the program's column blocks (at most `held_columns`) each keep an
-    accumulator until then."""
-    width, dtype = h_ref.shape[-1], h_ref.dtype
-    held = 1 if h_ref.shape[0] == 1 else rows
-    p = start_dependents(pl.program_id(0), early_launch)
-    start, end = p * plan.total // plan.programs, (p + 1) * plan.total // plan.programs
-    first_column = start // plan.steps
-    columns_held = (plan.total // plan.programs + 1 + plan.steps - 1) // plan.steps + 1
-
-    def operand(h, parts, norm):
-        delta = parts[0]
-        for part in parts[1:]:
-            delta = delta + part
-        h_new = (h.astype(jnp.float32) + delta.astype(dtype).astype(jnp.float32)).astype(dtype)
-        return h_new, (h_new.astype(jnp.float32) * (1.0 + norm.astype(jnp.float32))[None, :]).astype(dtype)
-
-    def fetch(t):
-        col = (t % plan.steps) * block_k
-        col = col if isinstance(col, int) else pl.multiple_of(col, block_k)
-        parts = tuple(_parts_rows(parts_ref, s, held, col, block_k) for s in range(parts_ref.shape[0]))
-        return _load_rows(h_ref, held, col, block_k), parts, norm_ref[pl.ds(col, block_k)]
-
-    def step(t, carry):
-        accs, current = carry
-        ahead = fetch(jnp.minimum(t + 1, end - 1))
-        column = t // plan.steps
-        col = pl.multiple_of((t - column * plan.steps) * block_k, block_k)
-        _, x = operand(*current)
-        if held != rows:
-            x = jnp.broadcast_to(x, (rows, block_k))
-        w = w_ref[pl.ds(pl.multiple_of(column * block_n, block_n), block_n), pl.ds(col, block_k)]
-        product = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        accs = tuple(jnp.where(column - first_column == i, acc + product, acc) for i, acc in enumerate(accs))
-        return accs, ahead
-
-    init = tuple(jnp.zeros((rows, block_n), jnp.float32) for _ in range(columns_held))
-    accs, _ = lax.fori_loop(start, end, step, (init, fetch(start)))
-    squares = jnp.zeros((held, 1), jnp.float32)
-    for col in range(0, width, block_k):  # unrolled: the row's slices are independent loads, issued together
-        h, parts, norm = fetch(col // block_k)
-        h_new, _ = operand(h, parts, norm)
-        h32 = h_new.astype(jnp.float32)
-        squares = squares + jnp.sum(h32 * h32, axis=1, keepdims=True)
-
-        @pl.when(p == 0)
-        def _():
-            _store_rows(h_out_ref, held, h_new, col)
-
-    scale = lax.rsqrt(squares / width + eps)
-
-    for i, acc in enumerate(accs):
-        column = first_column + i
-        begins = column * plan.steps
-
-        @pl.when(begins < end)
-        def _():
-            slot = p - ((begins + 1) * plan.programs - 1) // plan.total
-            out_col = pl.multiple_of(column * block_n, block_n)
-            _store_part(y_ref, slot, rows, (acc * scale).astype(y_ref.dtype), out_col)
-            for extra in range(1, plan.slots):
-
-                @pl.when((begins + plan.steps <= end) & (slot + extra < plan.slots))
-                def _():
-                    _store_part(y_ref, slot + extra, rows, jnp.zeros_like(acc, y_ref.dtype), out_col)
-
-
-def norm_linear_parts_pallas(h, parts, norm_weight, weight, eps: float, *,
-                             tuning: NormLinearTuning = NormLinearTuning(), interpret: bool = False):  # fmt: skip
-    """(h', y as partial sums [slots, M, N], fp32): `norm_linear_pallas` on `linear`'s stream schedule."""
-    rows, width = h.shape
-    n = weight.shape[0]
-    block_n, block_k = _tile(n, tuning.linear.block_n), _tile(width, tuning.linear.block_k)
-    plan = stream_plan(n, width, block_n, block_k, tuning.linear)
-    whole = lambda p: (0, 0)  # noqa: E731
-    h_new, y = pl.pallas_call(
-        functools.partial(_stream_kernel, plan=plan, block_n=block_n, block_k=block_k,
-                          rows=pl.next_power_of_2(max(rows, 16)), eps=eps, early_launch=not interpret),
-        grid=(plan.programs,),
-        in_specs=[pl.BlockSpec(h.shape, whole), pl.BlockSpec(parts.shape, lambda p: (0, 0, 0)),
-                  pl.BlockSpec((width,), lambda p: (0,)), pl.BlockSpec(weight.shape, whole)],
-        out_specs=[pl.BlockSpec(h.shape, whole), pl.BlockSpec((plan.slots, rows, n), lambda p: (0, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct((plan.slots, rows, n), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=tuning.linear.num_warps,
-                                                num_stages=tuning.linear.num_stages),
-        interpret=interpret,
-        name="norm_linear",
-    )(h, parts, norm_weight, weight)  # fmt: skip
-    return h_new, y
