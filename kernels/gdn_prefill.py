@@ -33,9 +33,10 @@ from jax.experimental.pallas import triton as plt
 from qwen35_jax.kernels.decode_attention import pad_to
 
 CHUNK = 64
+EPS = 1e-6  # the l2norm's, as HF's Qwen3.5 takes it
 
 
-def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+def l2norm(x: jax.Array, eps: float = EPS) -> jax.Array:
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
@@ -140,10 +141,13 @@ class GdnPrefillTuning:
     num_warps: int = 8  # the state walk holds no Q, Q K^T or O: 146 registers at 32 wide, 222 at 64 (4 warps spill)
     num_stages: int = 2
     prep_warps: int = 4  # with the squaring solve: 0.044 / 0.296 ms at 1k / 8k tokens (H200, 4B heads)
-    # A head's whole dv in one program: Q K^T once a chunk instead of once a slice. 128 wide spills in 4 warps;
-    # in 8 warps the call took 1.226-1.273 ms at 8k tokens against 1.327-1.432 ms for two 64-wide slices (H200).
+    # A head's whole dv in one program: Q K^T once a chunk instead of once a slice. Its products loop over dk in
+    # slices of output_block_k, pipelined output_stages deep: 32 / 3 stages / 4 warps took 0.355 ms at 8k tokens,
+    # 64 / 2 / 4 0.372 ms, 128 / 2 / 8 (no loop) 0.501 ms (H200, 4B heads, tools/bench_gdn_prefill.py).
     output_block_v: int = 128
-    output_warps: int = 8
+    output_warps: int = 4
+    output_block_k: int = 32
+    output_stages: int = 3
 
 
 def gdn_prefill_tuning(num_rows: int, num_heads: int, dv: int) -> GdnPrefillTuning:
@@ -272,13 +276,6 @@ def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, ga
             gamma_ref[rows] = gammas[a]
 
 
-def _normalised_qk(q_ref, k_ref, rows, valid, scale: float, dtype):
-    """The chunk's q/k rows [C, dk], l2-normalised, q scaled, k zeroed at padding tokens, in the matmul operand
-    dtype."""
-    q = (l2norm(q_ref[rows, :].astype(jnp.float32)) * scale).astype(dtype)
-    return q, _normalised_k(k_ref, rows, valid, dtype)
-
-
 def _normalised_k(k_ref, rows, valid, dtype):
     """The chunk's k rows [C, dk], l2-normalised and zeroed at padding tokens, in the matmul operand dtype."""
     return jnp.where(valid[:, None], l2norm(k_ref[rows, :].astype(jnp.float32)), 0.0).astype(dtype)
@@ -286,13 +283,6 @@ def _normalised_k(k_ref, rows, valid, dtype):
 
 def _causal_mask():
     return _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
-
-
-def _chunk_output(q, k, gamma, state, v_new, causal, dots: str):
-    """O = (Q exp(gamma)) S + tril(Q K^T * Gamma) V' [C, bv] fp32, from the chunk's start state S [dk, bv]."""
-    attn = _dot(q, k, dots, ((1,), (1,))) * jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0))
-    attn = jnp.where(causal, attn, 0.0)
-    return _dot(q.astype(jnp.float32) * jnp.exp(gamma)[:, None], state, dots) + _dot(attn, v_new, dots)
 
 
 def _next_state(state, k, gamma, gamma_last, v_new, dots: str):
@@ -325,17 +315,41 @@ def _chunk_states_kernel(
     state_out_ref[...] = lax.fori_loop(0, num_valid, chunk_step, state_ref[...])
 
 
-def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_ref, o_ref, *, dots: str, scale: float):
+def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_ref, o_ref, *, dots: str, scale: float,
+                         block_k: int):  # fmt: skip
     """One (row, value head, chunk, dv slice): q/k [C, dk], gamma [C], start state [dk, bv], V' [C, bv] -> o [C, bv].
-    Chunks past the length are written as zeros without reading S_c or V'_c, which were never stored for them."""
+    Chunks past the length are written as zeros without reading S_c or V'_c, which were never stored for them.
+
+    The products over dk run on the raw q and k in slices of block_k, so that Triton pipelines their loads and the
+    state's (the kernel's largest read) under the products; the l2 norms are row scales of both products, applied
+    after: Q^ K^^T = diag(1/|q|) Q K^T diag(1/|k|) and Q^ S = diag(1/|q|) Q S. bf16 q and k then multiply exactly
+    (bf16 products, fp32 sums) where the normalised fp32 rows were rounded to TF32."""
     start = pl.program_id(2) * CHUNK
     length = lengths_ref[...]
 
     @pl.when(start < length)
     def _():
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
-        q, k = _normalised_qk(q_ref, k_ref, slice(None), valid, scale, v_new_ref.dtype)
-        out = _chunk_output(q, k, gamma_ref[...], state_ref[...], v_new_ref[...], _causal_mask(), dots)
+        raw = "bf16" if q_ref.dtype == jnp.bfloat16 and dots != "ieee" else dots  # bf16 q k^T: exact products
+
+        def accumulate(i, sums):
+            qk, qs, q_squares, k_squares = sums
+            cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+            q, k = q_ref[:, cols], k_ref[:, cols]
+            q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+            qk = qk + _dot(q, k, raw, ((1,), (1,)))
+            qs = qs + _dot(q32, state_ref[cols, :], dots)
+            return qk, qs, q_squares + jnp.sum(q32 * q32, axis=1), k_squares + jnp.sum(k32 * k32, axis=1)
+
+        zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
+        sums = (zeros((CHUNK, CHUNK)), zeros(o_ref.shape), zeros((CHUNK,)), zeros((CHUNK,)))
+        qk, qs, q_squares, k_squares = lax.fori_loop(0, q_ref.shape[-1] // block_k, accumulate, sums)
+        q_scale = lax.rsqrt(q_squares + EPS) * scale  # l2norm's x * rsqrt(sum x^2 + eps), then the query scale
+        k_scale = jnp.where(valid, lax.rsqrt(k_squares + EPS), 0.0)  # padding keys: zero
+        gamma, causal = gamma_ref[...], _causal_mask()
+        decay = jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0))
+        attn = jnp.where(causal, qk * q_scale[:, None] * k_scale[None, :] * decay, 0.0)
+        out = qs * (q_scale * jnp.exp(gamma))[:, None] + _dot(attn, v_new_ref[...], dots)
         o_ref[...] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
 
     @pl.when(start >= length)
@@ -438,7 +452,7 @@ def _chunk_outputs(heads: _Heads, gamma, states, v_new, lengths, out_dtype, tuni
     ratio, q0, k0 = num_heads // heads.key_heads, heads.q_first, heads.k_first
     block_v = min(tuning.output_block_v, dv)
     return pl.pallas_call(
-        functools.partial(_chunk_output_kernel, dots=dots, scale=dk**-0.5),
+        functools.partial(_chunk_output_kernel, dots=dots, scale=dk**-0.5, block_k=min(tuning.output_block_k, dk)),
         grid=(num_rows, num_heads, seq // CHUNK, dv // block_v),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, c, j: (p,)),
@@ -450,7 +464,7 @@ def _chunk_outputs(heads: _Heads, gamma, states, v_new, lengths, out_dtype, tuni
         ],
         out_specs=pl.BlockSpec((None, CHUNK, None, block_v), lambda p, h, c, j: (p, c, h, j)),
         out_shape=jax.ShapeDtypeStruct((num_rows, seq, num_heads, dv), out_dtype),
-        compiler_params=plt.CompilerParams(num_warps=tuning.output_warps, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=tuning.output_warps, num_stages=tuning.output_stages),
         interpret=interpret,
         name="gdn_prefill_chunk_output",
     )(lengths, heads.q, heads.k, gamma, states, v_new)

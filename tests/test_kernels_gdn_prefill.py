@@ -240,7 +240,7 @@ def test_lowers_to_triton_for_h200(dtype, block_v):
 @pytest.mark.parametrize("output_block_v, output_warps, slices", [(None, None, "1"), (64, 4, "2")])
 def test_output_slices_lower_for_h200(output_block_v, output_warps, slices):
     """The output kernel's grid at 4B heads, (rows x value heads, chunks, dv slices) as Triton gets it: one
-    full-width slice by default (in 8 warps: 4 spill at that width, ptxas), two with output_block_v=64."""
+    full-width slice by default, two with output_block_v=64."""
     rows, seq, dtype = 2, 80, jnp.bfloat16
     shapes = [(rows, seq, 16, 128), (rows, seq, 16, 128), (rows, seq, 32, 128), (rows, seq, 32), (rows, seq, 32)]
     args = [

@@ -33,6 +33,8 @@ TILE_FLAGS = {  # GdnPrefillTuning's fields, each a flag taking several values
     "prep_warps": "warps of the WY kernel",
     "output_block_v": "dv slice of the output kernel",
     "output_warps": "warps of the output kernel",
+    "output_block_k": "dk slice of the output kernel's product loop",
+    "output_stages": "pipelining stages of the output kernel's product loop",
 }
 
 

@@ -17,7 +17,7 @@ product site at a time in the other precision. The emulation rounds only matmul 
 bf16 form would store between passes in bf16 (W, U, chunk states, V'; the kernel stores W so), nor a rounding of the
 normalised q to bf16 before its exp(gamma) scale in Q S (a second rounding), so it slightly flatters the bf16 forms.
 
-Sites are named by the kernel function that calls `_dot` and, for the two lines of `_chunk_output`, by its
+Sites are named by the kernel function that calls `_dot` and, where one function holds several, by the
 statement (matched in the source); a refactor of the kernel can move them, which the script reports as an
 unknown site rather than guessing.
 """
@@ -38,13 +38,16 @@ import qwen35_jax.kernels.gdn_prefill as gp
 SITES = {  # site name -> (calling function, fragments of the calling line (any of them), or () for any line)
     "solve A and A X (WY kernel)": ("_", ("k_beta, k,", "keys[b]", "(block,")),
     "solve W, U = inverse @ rhs": ("_", ("inverses[a]",)),
-    "Q K^T": ("_chunk_output", ("attn =",)),
-    "output (Q S, A V')": ("_chunk_output", ("return",)),
+    "Q K^T": ("accumulate", ("qk =",)),
+    "Q S": ("accumulate", ("qs =",)),
+    "A V'": ("_", ("out = qs",)),
     "state update": ("_next_state", ()),
     "W S": ("chunk_step", ()),
 }
 COARSE_SITES = ("solve A and A X (WY kernel)", "W S")  # the products the kernel multiplies at `_coarse(dots)`
-OUTPUT_SITES = ("Q K^T", "output (Q S, A V')")  # `_chunk_output`: the parallel output kernel's products
+# Q K^T multiplies the raw q and k: on bf16 inputs the kernel takes bf16 operands there, which are exact.
+RAW_SITES = ("Q K^T",)
+OUTPUT_SITES = ("Q K^T", "Q S", "A V'")  # `_chunk_output_kernel`: the parallel output kernel's products
 PRECISIONS = {  # label -> (the products' precision, the output kernel's: None = the same) on bf16 inputs
     "bf16": ("bf16", None),
     "tf32": ("tf32", None),
@@ -56,7 +59,7 @@ def kernel_modes(dots: str, output_dots: str | None) -> dict[str, str]:
     """Each site's operand rounding in the form (dots, output_dots)."""
     modes = {}
     for site in SITES:
-        if site in COARSE_SITES:
+        if site in COARSE_SITES or site in RAW_SITES:
             modes[site] = gp._coarse(dots)
         elif site in OUTPUT_SITES:
             modes[site] = output_dots or dots
