@@ -138,7 +138,7 @@ class GdnPrefillTuning:
     dk = 128 (sm_90, bf16 inputs)."""
 
     block_v: int = 64
-    num_warps: int = 8  # the state walk holds no Q, Q K^T or O: 146 registers at 32 wide, 222 at 64 (4 warps spill)
+    num_warps: int = 8  # the 64-wide state walk: 4 warps spill
     num_stages: int = 2
     prep_warps: int = 4  # with the squaring solve: 0.044 / 0.296 ms at 1k / 8k tokens (H200, 4B heads)
     # A head's whole dv in one program: Q K^T once a chunk instead of once a slice. Its products loop over dk in
@@ -153,10 +153,11 @@ class GdnPrefillTuning:
 def gdn_prefill_tuning(num_rows: int, num_heads: int, dv: int) -> GdnPrefillTuning:
     """The measured tiles for a call of num_rows x num_heads (value heads): the walk's slice is 64 wide, or 32 when
     that leaves fewer than ~2 programs per SM of an H200 (132 SMs) — the walk is latency-bound, so more independent
-    programs beat fewer, wider ones. The 32-wide walk pipelines its chunk loop three deep (0.186 against 0.196 ms
-    at 1k tokens, 1.226 against 1.273 ms at 8k, one row at 4B heads on the H200); the 64-wide one is slower so."""
+    programs beat fewer, wider ones. The 32-wide walk pipelines its chunk loop three deep in 4 warps (the walk alone:
+    0.316 ms at 8k tokens against 0.328 in 8 warps and 0.390 two deep, one row at 4B heads on the H200); the 64-wide
+    one is slower so."""
     if num_rows * num_heads * (dv // min(64, dv)) < 264 and dv >= 32:
-        return GdnPrefillTuning(block_v=32, num_stages=3)
+        return GdnPrefillTuning(block_v=32, num_warps=4, num_stages=3)
     return GdnPrefillTuning(block_v=min(64, dv))
 
 
@@ -276,19 +277,25 @@ def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, ga
             gamma_ref[rows] = gammas[a]
 
 
-def _normalised_k(k_ref, rows, valid, dtype):
-    """The chunk's k rows [C, dk], l2-normalised and zeroed at padding tokens, in the matmul operand dtype."""
-    return jnp.where(valid[:, None], l2norm(k_ref[rows, :].astype(jnp.float32)), 0.0).astype(dtype)
-
-
 def _causal_mask():
     return _iota((CHUNK, CHUNK), 0) >= _iota((CHUNK, CHUNK), 1)
 
 
-def _next_state(state, k, gamma, gamma_last, v_new, dots: str):
-    """S <- exp(gamma_last) S + (K exp(gamma_last - gamma))^T V'."""
-    k_decayed = k.astype(jnp.float32) * jnp.exp(gamma_last - gamma)[:, None]
-    return state * jnp.exp(gamma_last) + _dot(k_decayed, v_new, dots, ((0,), (0,)))
+def _next_state(state, k, key_scale, gamma_last, v_new, dots: str):
+    """S <- exp(gamma_last) S + K^^T diag(key_scale) V', K^^T the normalised, decayed keys: k [C, dk] the raw keys (zero
+    at padding tokens), key_scale [C] fp32 their 1 / |k| exp(gamma_last - gamma) (zero at padding tokens).
+
+    The scales go to V' (a [C, bv] tile) instead of the keys ([C, dk]). On bf16 keys ("tf32") the product then has bf16
+    keys, which are exact, and splits the scaled V' into bf16 high and low parts: two bf16 products, 16 bits of V' where
+    one TF32 product of the normalised fp32 keys kept 10 bits of each operand."""
+    scaled = v_new * key_scale[:, None]
+    if dots == "tf32" and k.dtype == jnp.bfloat16:
+        high = scaled.astype(jnp.bfloat16)
+        low = scaled - high.astype(jnp.float32)
+        update = _dot(k, high, "bf16", ((0,), (0,))) + _dot(k, low, "bf16", ((0,), (0,)))
+    else:
+        update = _dot(k, scaled, dots, ((0,), (0,)))
+    return state * jnp.exp(gamma_last) + update
 
 
 def _chunk_states_kernel(
@@ -305,12 +312,14 @@ def _chunk_states_kernel(
         rows = pl.ds(start, CHUNK)
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
         states_ref[c] = state.astype(states_ref.dtype)  # S_c, the chunk's start state
-        k = _normalised_k(k_ref, rows, valid, u_ref.dtype)
+        k = jnp.where(valid[:, None], k_ref[rows, :], jnp.zeros((), k_ref.dtype))  # raw: `_next_state` scales V'
         gamma = gamma_ref[rows]
         gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma
+        k32 = k.astype(jnp.float32)
+        key_scale = jnp.where(valid, lax.rsqrt(jnp.sum(k32 * k32, axis=1) + EPS) * jnp.exp(gamma_last - gamma), 0.0)
         v_new = u_ref[rows, :].astype(jnp.float32) - _dot(w_ref[rows, :], state, _coarse(dots))  # [C, bv]
         v_new_ref[rows, :] = v_new.astype(v_new_ref.dtype)
-        return _next_state(state, k, gamma, gamma_last, v_new, dots)
+        return _next_state(state, k, key_scale, gamma_last, v_new, dots)
 
     state_out_ref[...] = lax.fori_loop(0, num_valid, chunk_step, state_ref[...])
 
