@@ -121,7 +121,9 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state, lengths):
 # BlockSpec picks its heads); the only glue is a pad of the token axis up to a multiple of 64 when T is not one.
 # Precision depends on the input dtype (fp32 accumulation throughout; gates, decays, norms and the state stay fp32):
 # - bf16 inputs ("tf32"): matmul operands stay fp32 and multiply in TF32, except the products whose rounding barely
-#   moves the output (`_coarse`: bf16); the diagonal blocks are inverted by repeated squaring (exact fp32 matmuls).
+#   moves the output (`_coarse`: bf16) and those of the raw bf16 keys, which are exact in bf16: Q K^T (bf16 q and k)
+#   and the state update (the keys with V' split into bf16 high and low parts, `_next_state`); the diagonal blocks
+#   are inverted by repeated squaring (exact fp32 matmuls).
 #   With every operand in bf16 the 4B golden gate fails on the H200 (docs/accuracy.md).
 # - fp32 inputs ("ieee"): every product in exact fp32, and the diagonal blocks inverted row by row, whose rounding on
 #   near-duplicate keys is 50x smaller than the squaring's (~2e-5 of the state, the fp32 tests' whole tolerance).
