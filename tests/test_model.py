@@ -18,15 +18,16 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 512, 90)]
 def test_per_group_weights_compute_what_the_scan_does():
     """Chunked prefill then decode steps, which covers both sides' GDN states and the KV pages. Same operations in
     the same order per layer; only XLA's fusion and code-generation choices may differ: fp32 rounding, a few ulps of
-    logits of std ~0.1-1 (1.6e-6 at most under the test command's -O0 LLVM, 1e-6 at -O2), so 5e-6; a wrong weight
-    or state would be off by ~0.1.
+    logits of std ~0.1-1, which the recurrent states carry forward. Measured under the test command's -O0 LLVM: 1.6e-6
+    at most on one 2-core host, 6.8e-6 on an AMD EPYC one (XLA:CPU generates code for the host's vector units); so
+    3e-5. A wrong weight or state would be off by ~0.1.
     Its own model: the GPU layout frees the stacked weights, which the session's `tiny_model` must keep."""
     model = load_model("tiny", dtype="float32")
     scan = model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
     model.params = layout_for_platform(model.params, platform="gpu")
     assert isinstance(model.params["groups"], tuple) and len(model.params["groups"]) == 2
     per_group = model.logits_incremental(PROMPT, chunk_sizes=[40, 30], decode_from=80)
-    np.testing.assert_allclose(per_group, scan, atol=5e-6, rtol=0)
+    np.testing.assert_allclose(per_group, scan, atol=3e-5, rtol=0)
 
 
 def test_layout_for_platform_splits_and_frees_the_stacked_weights_on_a_gpu_only():
