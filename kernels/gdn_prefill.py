@@ -247,15 +247,11 @@ def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, ga
 
     @pl.when(start < length)
     def _():
-        # Only the A products (bf16 under "tf32") read every block's keys, so those are kept in their operand dtype;
-        # a block's fp32 keys and values are loaded again where its right-hand sides need them. Holding all four
-        # blocks' fp32 k, beta k and v took 255 registers and spilled (ptxas, 4 warps).
-        operand = _operand_dtype(_coarse(dots))
-        keys, keys_beta, gammas, offset = [], [], [], jnp.zeros((), jnp.float32)
-        for a in range(CHUNK // SUB):
-            k, _, beta, g = _load_sub_block(k_ref, v_ref, g_ref, beta_ref, a, start, length)
-            keys.append(k.astype(operand))
-            keys_beta.append((k * beta[:, None]).astype(operand))
+        blocks = [_load_sub_block(k_ref, v_ref, g_ref, beta_ref, a, start, length) for a in range(CHUNK // SUB)]
+        keys = [k for k, _, _, _ in blocks]
+        keys_beta = [k * beta[:, None] for k, _, beta, _ in blocks]
+        gammas, offset = [], jnp.zeros((), jnp.float32)
+        for _, _, _, g in blocks:
             gammas.append(jnp.cumsum(g) + offset)
             offset = offset + jnp.sum(g)
 
@@ -267,9 +263,8 @@ def _wy_prep_kernel(lengths_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, ga
         inverses = (_unit_lower_inverses if dots == "ieee" else _unit_lower_inverses_doubling)(diagonals)
 
         w_blocks, u_blocks = [], []
-        for a in range(CHUNK // SUB):
-            k, v, beta, _ = _load_sub_block(k_ref, v_ref, g_ref, beta_ref, a, start, length)
-            rhs_w, rhs_u = k * beta[:, None] * jnp.exp(gammas[a])[:, None], v * beta[:, None]
+        for a, (_, v, beta, _) in enumerate(blocks):
+            rhs_w, rhs_u = keys_beta[a] * jnp.exp(gammas[a])[:, None], v * beta[:, None]
             for b in range(a):  # every token of block b precedes every token of block a
                 decay = jnp.exp(gammas[a][:, None] - gammas[b][None, :])
                 block = _dot(keys_beta[a], keys[b], _coarse(dots), ((1,), (1,))) * decay  # A_ab
