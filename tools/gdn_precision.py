@@ -39,10 +39,10 @@ SITES = {  # site name -> (calling function, fragments of the calling line (any 
     "solve A and A X (WY kernel)": ("_", ("k_beta, k,", "keys[b]", "(block,")),
     "solve W, U = inverse @ rhs": ("_", ("inverses[a]",)),
     "Q K^T": ("accumulate", ("qk =",)),
-    "Q S": ("chunk_step", ("q_ref",)),
-    "A V'": ("_", ("out = q_state_ref",)),
+    "Q S": ("accumulate", ("qs =",)),
+    "A V'": ("_", ("out = qs",)),
     "state update": ("_next_state", ()),
-    "W S": ("chunk_step", ("w_ref",)),
+    "W S": ("chunk_step", ()),
 }
 COARSE_SITES = ("solve A and A X (WY kernel)", "W S")  # the products the kernel multiplies at `_coarse(dots)`
 # Q K^T multiplies the raw q and k: on bf16 inputs the kernel takes bf16 operands there, which are exact.
