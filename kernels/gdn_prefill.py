@@ -334,7 +334,7 @@ def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_
     The products over dk run on the raw q and k in slices of block_k, so that Triton pipelines their loads and the
     state's (the kernel's largest read) under the products; the l2 norms are row scales of both products, applied
     after: Q^ K^^T = diag(1/|q|) Q K^T diag(1/|k|) and Q^ S = diag(1/|q|) Q S. bf16 q and k then multiply exactly
-    (bf16 products, fp32 sums) where the normalised fp32 rows were rounded to TF32."""
+    (bf16 products, fp32 sums), where the normalised fp32 rows would be rounded to TF32."""
     start = pl.program_id(2) * CHUNK
     length = lengths_ref[...]
 
