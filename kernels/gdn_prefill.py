@@ -136,8 +136,8 @@ SUB = 16  # rows per diagonal block of the intra-chunk triangular solve
 class GdnPrefillTuning:
     """Tiles of the three pallas_calls. block_v / num_warps / num_stages: the chunk-state walk's dv slice per program,
     warps per program and Triton's software-pipelining depth of its chunk loop; prep_warps: the WY kernel's warps;
-    output_block_v / output_warps: the output kernel's dv slice and warps. Register counts below are ptxas's at
-    dk = 128 (sm_90, bf16 inputs)."""
+    output_block_v / output_warps: the output kernel's dv slice and warps; output_block_k / output_stages: the dk
+    slice and pipelining depth of its product loop."""
 
     block_v: int = 64
     num_warps: int = 8  # the 64-wide state walk: 4 warps spill
