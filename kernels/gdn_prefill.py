@@ -108,14 +108,16 @@ def gdn_chunked_prefill_ref(q, k, v, g, beta, state, lengths):
 #      substitution over four 16-row blocks (each diagonal block inverted on its own, the blocks below it updated with
 #      small matmuls), so neither A nor its inverse ever leaves registers.
 #   2. `_chunk_states_kernel`, grid (P, nv, dv / block_v): walks the row's valid chunks in order, carrying its fp32
-#      state slice S [dk, block_v] in registers; per chunk it stores the chunk's start state S_c ([P, nv, n_chunks, dk,
-#      dv] fp32: 64 KiB a chunk and value head at dk = dv = 128) and V'_c = U - W S_c (laid out as u), then steps the
-#      state. Chunks past a row's length are skipped and their S_c and V'_c are left unwritten.
-#   3. `_chunk_output_kernel`, grid (P, nv, n_chunks, dv / output_block_v): O_c = (Q_c exp(gamma)) S_c +
+#      state slice S [dk, block_v] in registers; per chunk it stores the raw queries against the chunk's start state,
+#      Q_c S_c, and V'_c = U - W S_c (both laid out as u), then steps the state. Q_c S_c is off the recurrence's chain,
+#      and its [C, bv] is half the bytes of storing S_c [dk, bv] for the output pass to multiply (H100, 8k tokens: the
+#      output pass 0.357 -> 0.228 ms, the walk 0.314 -> 0.392 ms, the call 1.025 -> 0.969 ms). Chunks past a row's
+#      length are skipped and their Q_c S_c and V'_c are left unwritten.
+#   3. `_chunk_output_kernel`, grid (P, nv, n_chunks, dv / output_block_v): O_c = diag(exp(gamma) / |q|) Q_c S_c +
 #      causal(Q_c K_c^T Gamma) V'_c for one chunk and dv slice; chunks past a row's length are written as zeros
-#      without reading S_c or V'_c. Moving the output out of the walk takes Q K^T out of the sequential loop (where
-#      every dv slice recomputed it): 0.187 / 0.351 / 0.656 ms against 0.218 / 0.406 / 0.791 ms with the output inside
-#      the walk at 1k / 2k / 4k tokens (H200, 4B heads, one row, bf16).
+#      without reading Q_c S_c or V'_c. Moving the output out of the walk takes Q K^T out of the sequential loop
+#      (where every dv slice recomputed it): 0.187 / 0.351 / 0.656 ms against 0.218 / 0.406 / 0.791 ms with the output
+#      inside the walk at 1k / 2k / 4k tokens (H200, 4B heads, one row, bf16).
 # No jnp glue runs over the activations: l2norm, the query scale and the key-head -> value-head repeat (a BlockSpec
 # index map) happen inside the kernels, and the packed form reads q, k and v out of the conv's one output (each
 # BlockSpec picks its heads); the only glue is a pad of the token axis up to a multiple of 64 when T is not one.
@@ -301,11 +303,11 @@ def _next_state(state, k, key_scale, gamma_last, v_new, dots: str):
 
 
 def _chunk_states_kernel(
-    lengths_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, states_ref, v_new_ref, state_out_ref, *, dots: str
+    lengths_ref, q_ref, k_ref, w_ref, u_ref, gamma_ref, state_ref, q_state_ref, v_new_ref, state_out_ref, *, dots: str
 ):
-    """One (row, value head, dv slice): k/w [T, dk], u [T, bv], gamma [T], state [dk, bv] -> each valid chunk's start
-    state states [n, dk, bv] and V' [T, bv], and the final state. Chunks past the length are not written (the output
-    pass reads neither their states nor their V')."""
+    """One (row, value head, dv slice): q/k/w [T, dk], u [T, bv], gamma [T], state [dk, bv] -> Q_c S_c [T, bv] (the raw
+    queries against each chunk's start state), V' [T, bv], and the final state. Chunks past the length are not
+    written (the output pass reads neither their Q S nor their V')."""
     length = lengths_ref[...]
     num_valid = (length + CHUNK - 1) // CHUNK
 
@@ -313,7 +315,8 @@ def _chunk_states_kernel(
         start = pl.multiple_of(c * CHUNK, CHUNK)
         rows = pl.ds(start, CHUNK)
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
-        states_ref[c] = state.astype(states_ref.dtype)  # S_c, the chunk's start state
+        # Q_c S_c off the recurrence's chain: the output pass scales its rows by the norms and decays.
+        q_state_ref[rows, :] = _dot(q_ref[rows, :].astype(jnp.float32), state, dots).astype(q_state_ref.dtype)
         k = jnp.where(valid[:, None], k_ref[rows, :], jnp.zeros((), k_ref.dtype))  # raw: `_next_state` scales V'
         gamma = gamma_ref[rows]
         gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma
@@ -326,15 +329,14 @@ def _chunk_states_kernel(
     state_out_ref[...] = lax.fori_loop(0, num_valid, chunk_step, state_ref[...])
 
 
-def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_ref, o_ref, *, dots: str, scale: float,
-                         block_k: int):  # fmt: skip
-    """One (row, value head, chunk, dv slice): q/k [C, dk], gamma [C], start state [dk, bv], V' [C, bv] -> o [C, bv].
-    Chunks past the length are written as zeros without reading S_c or V'_c, which were never stored for them.
+def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, q_state_ref, v_new_ref, o_ref, *, dots: str,
+                         scale: float, block_k: int):  # fmt: skip
+    """One (row, value head, chunk, dv slice): q/k [C, dk], gamma [C], Q S_c [C, bv] (the walk's), V' [C, bv] ->
+    o [C, bv]. Chunks past the length are written as zeros without reading Q S_c or V'_c, never stored for them.
 
-    The products over dk run on the raw q and k in slices of block_k, so that Triton pipelines their loads and the
-    state's (the kernel's largest read) under the products; the l2 norms are row scales of both products, applied
-    after: Q^ K^^T = diag(1/|q|) Q K^T diag(1/|k|) and Q^ S = diag(1/|q|) Q S. bf16 q and k then multiply exactly
-    (bf16 products, fp32 sums), where the normalised fp32 rows would be rounded to TF32."""
+    Q K^T runs on the raw q and k in slices of block_k, so that Triton pipelines their loads under the product; the l2
+    norms are row scales applied after: Q^ K^^T = diag(1/|q|) Q K^T diag(1/|k|) and Q^ S = diag(1/|q|) Q S. bf16 q
+    and k then multiply exactly (bf16 products, fp32 sums)."""
     start = pl.program_id(2) * CHUNK
     length = lengths_ref[...]
 
@@ -344,23 +346,22 @@ def _chunk_output_kernel(lengths_ref, q_ref, k_ref, gamma_ref, state_ref, v_new_
         raw = "bf16" if q_ref.dtype == jnp.bfloat16 and dots != "ieee" else dots  # bf16 q k^T: exact products
 
         def accumulate(i, sums):
-            qk, qs, q_squares, k_squares = sums
+            qk, q_squares, k_squares = sums
             cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
             q, k = q_ref[:, cols], k_ref[:, cols]
             q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
             qk = qk + _dot(q, k, raw, ((1,), (1,)))
-            qs = qs + _dot(q32, state_ref[cols, :], dots)
-            return qk, qs, q_squares + jnp.sum(q32 * q32, axis=1), k_squares + jnp.sum(k32 * k32, axis=1)
+            return qk, q_squares + jnp.sum(q32 * q32, axis=1), k_squares + jnp.sum(k32 * k32, axis=1)
 
         zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
-        sums = (zeros((CHUNK, CHUNK)), zeros(o_ref.shape), zeros((CHUNK,)), zeros((CHUNK,)))
-        qk, qs, q_squares, k_squares = lax.fori_loop(0, q_ref.shape[-1] // block_k, accumulate, sums)
+        sums = (zeros((CHUNK, CHUNK)), zeros((CHUNK,)), zeros((CHUNK,)))
+        qk, q_squares, k_squares = lax.fori_loop(0, q_ref.shape[-1] // block_k, accumulate, sums)
         q_scale = lax.rsqrt(q_squares + EPS) * scale  # l2norm's x * rsqrt(sum x^2 + eps), then the query scale
         k_scale = jnp.where(valid, lax.rsqrt(k_squares + EPS), 0.0)  # padding keys: zero
         gamma, causal = gamma_ref[...], _causal_mask()
         decay = jnp.exp(jnp.where(causal, gamma[:, None] - gamma[None, :], 0.0))
         attn = jnp.where(causal, qk * q_scale[:, None] * k_scale[None, :] * decay, 0.0)
-        out = qs * (q_scale * jnp.exp(gamma))[:, None] + _dot(attn, v_new_ref[...], dots)
+        out = q_state_ref[...] * (q_scale * jnp.exp(gamma))[:, None] + _dot(attn, v_new_ref[...], dots)
         o_ref[...] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
 
     @pl.when(start >= length)
@@ -419,11 +420,11 @@ def _wy_prep(heads: _Heads, g, beta, lengths, dots: str, interpret: bool, num_wa
 
 
 def _chunk_states(heads: _Heads, w, u, gamma, state, lengths, tuning: GdnPrefillTuning, dots: str, interpret: bool):
-    """The sequential pass; returns each chunk's start state [P, nv, n, dk, dv] and V' [P, nv, T, dv] (both in u's
-    dtype) and the new state [P, nv, dk, dv] (fp32)."""
+    """The sequential pass; returns Q_c S_c [P, nv, T, dv] (the raw queries against each chunk's start state) and V'
+    [P, nv, T, dv] (both in u's dtype) and the new state [P, nv, dk, dv] (fp32)."""
     num_rows, num_heads, seq, dv = u.shape
     dk = heads.k.shape[-1]
-    ratio, k0 = num_heads // heads.key_heads, heads.k_first
+    ratio, q0, k0 = num_heads // heads.key_heads, heads.q_first, heads.k_first
     block_v = min(tuning.block_v, dv)
     u_spec = pl.BlockSpec((None, None, seq, block_v), lambda p, h, j: (p, h, 0, j))
     state_spec = pl.BlockSpec((None, None, dk, block_v), lambda p, h, j: (p, h, 0, j))
@@ -432,30 +433,27 @@ def _chunk_states(heads: _Heads, w, u, gamma, state, lengths, tuning: GdnPrefill
         grid=(num_rows, num_heads, dv // block_v),
         in_specs=[
             pl.BlockSpec((None,), lambda p, h, j: (p,)),
+            pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, q0 + h // ratio, 0)),  # q: the key head's rows
             pl.BlockSpec((None, seq, None, dk), lambda p, h, j: (p, 0, k0 + h // ratio, 0)),  # k: the key head's rows
             pl.BlockSpec((None, None, seq, dk), lambda p, h, j: (p, h, 0, 0)),  # w
             u_spec,
             pl.BlockSpec((None, None, seq), lambda p, h, j: (p, h, 0)),  # gamma
             state_spec,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, seq // CHUNK, dk, block_v), lambda p, h, j: (p, h, 0, 0, j)),
-            u_spec,  # V', laid out as u
-            state_spec,
-        ],
+        out_specs=[u_spec, u_spec, state_spec],  # Q S and V', laid out as u
         out_shape=[
-            jax.ShapeDtypeStruct((num_rows, num_heads, seq // CHUNK, dk, dv), u.dtype),
+            jax.ShapeDtypeStruct(u.shape, u.dtype),
             jax.ShapeDtypeStruct(u.shape, u.dtype),
             jax.ShapeDtypeStruct(state.shape, jnp.float32),
         ],
-        input_output_aliases={5: 2},
+        input_output_aliases={6: 2},
         compiler_params=plt.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="gdn_prefill_chunk_states",
-    )(lengths, heads.k, w, u, gamma, state)
+    )(lengths, heads.q, heads.k, w, u, gamma, state)
 
 
-def _chunk_outputs(heads: _Heads, gamma, states, v_new, lengths, out_dtype, tuning: GdnPrefillTuning, dots: str,
+def _chunk_outputs(heads: _Heads, gamma, q_states, v_new, lengths, out_dtype, tuning: GdnPrefillTuning, dots: str,
                    interpret: bool):  # fmt: skip
     """The parallel output pass: one program per (row, value head, chunk, dv slice); returns o [P, T, nv, dv]."""
     num_rows, num_heads, seq, dv = v_new.shape
@@ -470,15 +468,15 @@ def _chunk_outputs(heads: _Heads, gamma, states, v_new, lengths, out_dtype, tuni
             pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, q0 + h // ratio, 0)),
             pl.BlockSpec((None, CHUNK, None, dk), lambda p, h, c, j: (p, c, k0 + h // ratio, 0)),
             pl.BlockSpec((None, None, CHUNK), lambda p, h, c, j: (p, h, c)),
-            pl.BlockSpec((None, None, None, dk, block_v), lambda p, h, c, j: (p, h, c, 0, j)),
-            pl.BlockSpec((None, None, CHUNK, block_v), lambda p, h, c, j: (p, h, c, j)),
+            pl.BlockSpec((None, None, CHUNK, block_v), lambda p, h, c, j: (p, h, c, j)),  # Q S
+            pl.BlockSpec((None, None, CHUNK, block_v), lambda p, h, c, j: (p, h, c, j)),  # V'
         ],
         out_specs=pl.BlockSpec((None, CHUNK, None, block_v), lambda p, h, c, j: (p, c, h, j)),
         out_shape=jax.ShapeDtypeStruct((num_rows, seq, num_heads, dv), out_dtype),
         compiler_params=plt.CompilerParams(num_warps=tuning.output_warps, num_stages=tuning.output_stages),
         interpret=interpret,
         name="gdn_prefill_chunk_output",
-    )(lengths, heads.q, heads.k, gamma, states, v_new)
+    )(lengths, heads.q, heads.k, gamma, q_states, v_new)
 
 
 def gdn_chunked_prefill_pallas(q, k, v, g, beta, state, lengths, *, interpret=False,
@@ -542,7 +540,7 @@ def _prefill_calls(heads: _Heads, g, beta, state, lengths, out_dtype, interpret,
     g, beta = (_pad_tokens(x) for x in (g, beta))
     lengths = lax.clamp(0, lengths.astype(jnp.int32), seq)
     w, u, gamma = _wy_prep(heads, g.astype(jnp.float32), beta, lengths, dots, interpret, tuning.prep_warps)
-    states, v_new, state = _chunk_states(heads, w, u, gamma, state.astype(jnp.float32), lengths, tuning, dots,
+    q_states, v_new, state = _chunk_states(heads, w, u, gamma, state.astype(jnp.float32), lengths, tuning, dots,
                                          interpret)  # fmt: skip
-    out = _chunk_outputs(heads, gamma, states, v_new, lengths, out_dtype, tuning, dots, interpret)
+    out = _chunk_outputs(heads, gamma, q_states, v_new, lengths, out_dtype, tuning, dots, interpret)
     return out[:, :seq], state

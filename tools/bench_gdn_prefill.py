@@ -8,8 +8,8 @@ a flag left at 0 keeps the measured default, `gdn_prefill_tuning`) it prints the
 back-to-back calls, best of --repeats), the matmul FLOPs of the chunked algorithm and their rate against the card's bf16
 matrix rate, the minimal HBM traffic (inputs, outputs and states once) against its HBM bandwidth (790 TFLOP/s and
 4.3 TB/s on the H200, qwen35_jax/roofline.py), the share of the roofline max(FLOPs / rate, bytes / bandwidth) reached, and the ratio of the reference's and fla's times to the kernel's (> 1: the
-kernel is faster); also the size of the per-chunk fp32 states the kernel stores between its passes (not counted in
-the minimal traffic). fla is timed replaying a CUDA graph of --iters calls (its host-loop time is kept as
+kernel is faster); also the size of the fp32 Q_c S_c the walk hands the output pass (not counted in the minimal
+traffic). fla is timed replaying a CUDA graph of --iters calls (its host-loop time is kept as
 `fla_host_loop_ms`), so its Python launch overhead is not counted.
 """
 
@@ -52,9 +52,9 @@ def minimal_bytes(rows: int, tokens: int, nk: int, nv: int, dk: int, dv: int, it
     return rows * tokens * per_token + 2 * rows * nv * dk * dv * 4
 
 
-def chunk_states_bytes(rows: int, tokens: int, nv: int, dk: int, dv: int) -> float:
-    """The fp32 start state of every chunk, which the kernel stores between its two last passes."""
-    return rows * nv * -(-tokens // CHUNK) * dk * dv * 4
+def q_states_bytes(rows: int, tokens: int, nv: int, dv: int) -> float:
+    """Q_c S_c, fp32 [T, dv] a value head (T padded to whole chunks), which the walk hands the output pass."""
+    return rows * nv * -(-tokens // CHUNK) * CHUNK * dv * 4
 
 
 def time_calls(fn, args, iters: int, repeats: int, sync) -> float:
@@ -161,7 +161,7 @@ def bench_case(args, rows: int, tokens: int) -> dict:
     result["ref_ms"] = 1e3 * timing(jax.jit(gdn_chunked_prefill_ref), inputs)
     out_ref, _ = jax.jit(gdn_chunked_prefill_ref)(*inputs)
     default = gdn_prefill_tuning(rows, args.nv, args.dv)
-    states = chunk_states_bytes(rows, tokens, args.nv, args.dk, args.dv)
+    q_states = q_states_bytes(rows, tokens, args.nv, args.dv)
     for values in itertools.product(*(getattr(args, name) for name in TILE_FLAGS)):
         given = {name: value for name, value in zip(TILE_FLAGS, values, strict=True) if value}
         tuning = dataclasses.replace(default, **given)
@@ -185,7 +185,7 @@ def bench_case(args, rows: int, tokens: int) -> dict:
             "pct_roofline": 100 * roofline / seconds,
             "ref_over_kernel": result["ref_ms"] / (1e3 * seconds),
             "max_abs_err_vs_ref": error,
-            "chunk_states_mbytes": states / 1e6,
+            "q_states_mbytes": q_states / 1e6,
         }
     fla = None if args.no_fla else fla_runner(inputs, args.nv // args.nk)
     if fla is not None:
@@ -216,7 +216,7 @@ def report(result: dict) -> str:
                 f"  {key}: {r['ms']:.3f} ms, {r['tflops']:.1f} TFLOP/s ({r['pct_peak_flops']:.1f}% of "
                 f"peak), {r['pct_peak_bytes']:.1f}% of HBM, {r['pct_roofline']:.1f}% of roofline, "
                 f"ref/kernel {r['ref_over_kernel']:.2f}x{vs_fla}, max |err| {r['max_abs_err_vs_ref']:.2e}"
-                + f", chunk states {r['chunk_states_mbytes']:.0f} MB"
+                + f", Q S handed over {r['q_states_mbytes']:.0f} MB"
             )
             lines += [f"    {ms:.4f} ms  {name}" for name, ms in (r["kernel_ms_per_call"] or {}).items()]
     if "fla_kernel_ms_per_call" in result:

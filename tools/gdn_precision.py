@@ -14,7 +14,7 @@ as flash-linear-attention does; the 4B golden gate fails with it) and "tf32 + bf
 Q K^T, Q S and A V' in bf16, the rest as "tf32"), which asks whether the output kernel could run in bf16 because its
 errors do not feed the recurrence (no: it keeps 95% of bf16's output error, docs/accuracy.md); and "sites", one
 product site at a time in the other precision. The emulation rounds only matmul operands: it does not model what a
-bf16 form would store between passes in bf16 (W, U, chunk states, V'; the kernel stores W so), so it slightly
+bf16 form would store between passes in bf16 (W, U, Q_c S_c, V'; the kernel stores W so), so it slightly
 flatters the bf16 forms; and it rounds the state update's two bf16 parts of V' as the site's precision says (TF32
 leaves the high part exact and rounds the low one), close to the kernel's exact bf16 parts.
 
@@ -40,10 +40,10 @@ SITES = {  # site name -> (calling function, fragments of the calling line (any 
     "solve A and A X (WY kernel)": ("_", ("k_beta, k,", "keys[b]", "(block,")),
     "solve W, U = inverse @ rhs": ("_", ("inverses[a]",)),
     "Q K^T": ("accumulate", ("qk =",)),
-    "Q S": ("accumulate", ("qs =",)),
-    "A V'": ("_", ("out = qs",)),
+    "Q S": ("chunk_step", ("q_ref",)),
+    "A V'": ("_", ("out = q_state_ref",)),
     "state update": ("_next_state", ()),
-    "W S": ("chunk_step", ()),
+    "W S": ("chunk_step", ("w_ref",)),
 }
 COARSE_SITES = ("solve A and A X (WY kernel)", "W S")  # the products the kernel multiplies at `_coarse(dots)`
 # Q K^T multiplies the raw q and k: on bf16 inputs the kernel takes bf16 operands there, which are exact.
