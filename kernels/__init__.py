@@ -55,7 +55,7 @@ class Mixers(NamedTuple):
     linear: object  # the weight products x @ W^T (decode-sized batches; larger ones go to XLA)
     linear_parts: object  # the same as partial sums [S, ..., N] (`residual_norm` adds them up where it reads them)
     residual_norm: object  # (h, parts, weight, eps) -> (h + the parts' sum, its RMSNorm)
-    attention_inputs: object  # (qkv products, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset,
+    attention_inputs: object  # (qkv product, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset,
     # heads, kv_heads, eps) -> (q, k, gate, k_pages, v_pages): q and k normalised and rotated, the output gate, the
     # K/V written to the pages
     norm_linear: object  # (h, parts, norm_weight, weight, eps) -> (h + the parts' sum, its RMSNorm @ weight^T):

@@ -7,9 +7,8 @@ Math (per token n; HF's Qwen3.5 order and rounding):
     k[n, j] = rope(rms_norm(k_j, k_norm))
     rope(x)[:r] = round(round(x[:r] cos) + round(rotate_half(x[:r]) sin)),  rope(x)[r:] = x[r:]   (r = rotary dim)
     k_pages[layer, kv_page[n], kv_offset[n]] = k[n];  v_pages[...] = v[n] (as projected)
-Layouts: the product's parts q_gate [N, 2 H D], k [N, KV D], v [N, KV D], given as one array [N, 2 H D + 2 KV D]
-(the fused product, parts side by side) or as the three; q_norm, k_norm [D]; cos, sin [N, r]; pages [L, P, page_size,
-KV, D]; kv_page, kv_offset [N] int32 (padding tokens point at the trash page). Returns q [N, H, D], k [N, KV, D], the
+Layouts: qkv [N, 2 H D + 2 KV D], the fused product with its parts q_gate [N, 2 H D], k [N, KV D] and v [N, KV D]
+side by side; q_norm, k_norm [D]; cos, sin [N, r]; pages [L, P, page_size, KV, D]; kv_page, kv_offset [N] int32 (padding tokens point at the trash page). Returns q [N, H, D], k [N, KV, D], the
 output gate [N, H, D] (q_gate's second halves, dense) and the two page pools with the tokens written (in place under
 jit with the pools donated).
 
@@ -20,7 +19,8 @@ merge can read it as a block and apply it (`decode_attention.py`); v stays where
 prefill attention.
 
 Pallas kernel (Triton lowering): grid (N,), one program a token. The parts are read in place through BlockSpecs on
-views of rows of D (q_gate: rows of 2 D, the query the first half of each). rotate_half needs each lane's partner
+views of the product as rows of D (q_gate: rows of 2 D, the query the first half of each): slices of it handed to a
+kernel would be copies. rotate_half needs each lane's partner
 (i +- r/2), which a register tile cannot permute, so the partner lanes are loaded again from memory with permuted
 column indices (an L1 hit) and normalised with the row's own scale. K and V go to the pool refs (pl.ANY, aliased in
 to out) with scalar indices, as the decode kernels index their pools: int64 offsets once a pool passes 2^32 bytes.
@@ -53,21 +53,17 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([x_rot.astype(x.dtype), x_pass], axis=-1)
 
 
-def split_parts(parts, heads: int, kv_heads: int):
-    """(q_gate [N, H, 2D], k [N, KV, D], v [N, KV, D]) of the product's parts: one fused array or the three."""
-    if len(parts) == 1:
-        (qkv,) = parts
-        dim = qkv.shape[-1] // (2 * heads + 2 * kv_heads)
-        parts = jnp.split(qkv, (2 * heads * dim, (2 * heads + kv_heads) * dim), axis=-1)
-    q_gate, k, v = parts
-    n, dim = q_gate.shape[0], q_gate.shape[-1] // (2 * heads)
+def split_qkv(qkv, heads: int, kv_heads: int):
+    """(q_gate [N, H, 2D], k [N, KV, D], v [N, KV, D]) of the fused product."""
+    n, dim = qkv.shape[0], qkv.shape[-1] // (2 * heads + 2 * kv_heads)
+    q_gate, k, v = jnp.split(qkv, (2 * heads * dim, (2 * heads + kv_heads) * dim), axis=-1)
     return q_gate.reshape(n, heads, 2 * dim), k.reshape(n, kv_heads, dim), v.reshape(n, kv_heads, dim)
 
 
-def attention_inputs_ref(parts, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset, *,
+def attention_inputs_ref(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset, *,
                          heads: int, kv_heads: int, eps: float):  # fmt: skip
     """XLA's ops: (q [N, H, D], k [N, KV, D], gate [N, H, D], k_pages, v_pages); the module notes."""
-    q_gate, k, v = split_parts(parts, heads, kv_heads)
+    q_gate, k, v = split_qkv(qkv, heads, kv_heads)
     dim = k.shape[-1]
     q = apply_rope(rms_norm(q_gate[..., :dim], q_norm, eps), cos, sin)
     k = apply_rope(rms_norm(k, k_norm, eps), cos, sin)
@@ -121,30 +117,24 @@ def _kernel(layer_ref, page_ref, offset_ref, query_ref, gate_in_ref, key_ref, va
     v_pages_out[slot] = value_ref[...]
 
 
-def _sources(parts, heads: int, kv_heads: int):
-    """(query rows [N, rows, 2D] and their block, key / value rows [N, rows, D] and their blocks' indices), read in
-    place: the fused product viewed as rows of 2 D and of D (bitcasts), or the three parts."""
-    if len(parts) == 1:
-        (qkv,) = parts
-        n, dim = qkv.shape[0], qkv.shape[-1] // (2 * heads + 2 * kv_heads)
-        rows = qkv.reshape(n, -1, dim)
-        # k starts at row 2H of D, v at 2H + KV: blocks of KV rows, so block indices 2H / KV and 2H / KV + 1.
-        return qkv.reshape(n, -1, 2 * dim), rows, 2 * heads // kv_heads, rows, 2 * heads // kv_heads + 1
-    q_gate, k, v = parts
-    n, dim = q_gate.shape[0], k.shape[-1] // kv_heads
-    return q_gate.reshape(n, heads, 2 * dim), k.reshape(n, kv_heads, dim), 0, v.reshape(n, kv_heads, dim), 0
+def _sources(qkv, heads: int, kv_heads: int):
+    """(query rows [N, rows, 2D], the product as rows [N, rows, D], and the key's and value's block indices there),
+    bitcast views of the product, read in place."""
+    n, dim = qkv.shape[0], qkv.shape[-1] // (2 * heads + 2 * kv_heads)
+    # k starts at row 2H of D, v at 2H + KV: blocks of KV rows, so block indices 2H / KV and 2H / KV + 1.
+    return qkv.reshape(n, -1, 2 * dim), qkv.reshape(n, -1, dim), 2 * heads // kv_heads, 2 * heads // kv_heads + 1
 
 
-def attention_inputs_pallas(parts, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset, *,
+def attention_inputs_pallas(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset, *,
                             heads: int, kv_heads: int, eps: float, interpret: bool = False):  # fmt: skip
     """Pallas form of `attention_inputs_ref` (same arguments and results; the module notes). Head counts and the
     head dim must be powers of two (Triton blocks) and the rotary dim even; other shapes take the reference."""
     dim = q_norm.shape[0]
     rot = cos.shape[-1]
     if any(d & (d - 1) for d in (heads, kv_heads, dim)) or rot % 2 or rot > dim or (2 * heads) % kv_heads:
-        return attention_inputs_ref(parts, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset,
+        return attention_inputs_ref(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset,
                                     heads=heads, kv_heads=kv_heads, eps=eps)  # fmt: skip
-    query_rows, key_rows, key_block, value_rows, value_block = _sources(parts, heads, kv_heads)
+    query_rows, rows, key_block, value_block = _sources(qkv, heads, kv_heads)
     n = query_rows.shape[0]
     whole = pl.BlockSpec(memory_space=pl.ANY)
     token = pl.BlockSpec((None,), lambda i: (i,))
@@ -171,5 +161,5 @@ def attention_inputs_pallas(parts, q_norm, k_norm, cos, sin, k_pages, v_pages, l
         interpret=interpret,
         name="attention_inputs",
     )(jnp.asarray(layer, jnp.int32).reshape(1), kv_page.astype(jnp.int32), kv_offset.astype(jnp.int32), query_rows,
-      query_rows, key_rows, value_rows, q_norm, k_norm, cos, sin, k_pages, v_pages)  # fmt: skip
+      query_rows, rows, rows, q_norm, k_norm, cos, sin, k_pages, v_pages)  # fmt: skip
     return q, k, gate, k_pages, v_pages

@@ -29,18 +29,18 @@ from qwen35_jax.batch import StepInputs
 from qwen35_jax.cache import Cache
 from qwen35_jax.config import LINEAR, Qwen35Config
 from qwen35_jax.kernels import Mixers
-from qwen35_jax.kernels.attention_inputs import split_parts
+from qwen35_jax.kernels.attention_inputs import split_qkv
 from qwen35_jax.kernels.decode_attention import output_gate
 from qwen35_jax.kernels.gdn_decode import gate_columns, gated_rms_norm, gdn_gates
 from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref
 from qwen35_jax.kernels.norm_linear import FUSED_MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
 
-# Fused input projections whose inputs are more rows than this (prefill chunks) multiply each part's rows of the
-# fused weight apart: XLA's GEMM over the fused shapes made an 8192-token 4B prefill 173 ms against 154 ms on the
-# H200, while decode batches up to 256 gain from one product.
+# The GDN in_proj over more rows than this (prefill chunks) is two products, conv input and z in one and b and a in
+# the other (`GatedDeltaNet._in_projections`): XLA's GEMM over the fused [12352, 2560] shape made an 8192-token 4B
+# prefill 173 ms against 154 ms with the parts apart on the H200, while decode batches up to 256 gain from one product.
 FUSED_QKV_MAX_ROWS = 256
-assert NORM_LINEAR_MAX_ROWS <= FUSED_QKV_MAX_ROWS  # `_products` is one product there, which `norm_linear` makes
+assert NORM_LINEAR_MAX_ROWS <= FUSED_QKV_MAX_ROWS  # in_proj is one product there, which `norm_linear` makes
 
 
 def fused_parts(cfg: Qwen35Config) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -53,11 +53,6 @@ def fused_parts(cfg: Qwen35Config) -> dict[str, tuple[tuple[str, int], ...]]:
                      ("v_proj", kv_width)),
         "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)),
     }  # fmt: skip
-
-
-# The fused projections split above FUSED_QKV_MAX_ROWS: the layers' input projections (the MLP's gate/up stays one
-# product at every size).
-INPUT_PROJECTIONS = ("in_proj", "qkv_proj")
 
 
 def _param(shape, dtype) -> nnx.Param:
@@ -128,23 +123,13 @@ def _fused_linear(cfg: Qwen35Config, name: str, in_features: int, dtype) -> Line
     return Linear(in_features, sum(width for _, width in fused_parts(cfg)[name]), dtype)
 
 
-def _products(cfg: Qwen35Config, name: str, module: Linear, x, linear) -> tuple[jax.Array, ...]:
-    """Fused projection `name` over x as products: one over the fused weight (its parts side by side), or for the
-    layers' input projections over more than FUSED_QKV_MAX_ROWS rows, one per checkpoint part."""
-    weight = module.weight[...]
-    if name in INPUT_PROJECTIONS and math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
-        return tuple(linear(x, part) for part in jnp.split(weight, _part_bounds(cfg, name), axis=0))
-    return (linear(x, weight),)
-
-
 def _part_bounds(cfg: Qwen35Config, name: str) -> list[int]:
     return list(itertools.accumulate(width for _, width in fused_parts(cfg)[name]))[:-1]
 
 
 def _projections(cfg: Qwen35Config, name: str, module: Linear, x, linear) -> list[jax.Array]:
-    """The outputs of fused projection `name` over x, one per checkpoint part (`_products`, split)."""
-    products = _products(cfg, name, module, x, linear)
-    return list(products) if len(products) > 1 else jnp.split(products[0], _part_bounds(cfg, name), axis=-1)
+    """The outputs of fused projection `name` over x, one per checkpoint part: its one product, split."""
+    return jnp.split(module(x, linear), _part_bounds(cfg, name), axis=-1)
 
 
 class MLP(nnx.Module):
@@ -296,11 +281,14 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(dim, cfg.rms_norm_eps, dtype)
 
     def __call__(self, x, cache: KVPages, layer, ctx: StepContext, product=None):
-        """product: qkv_proj's output over the fused weight, when the caller made it (x is then unused)."""
+        """product: qkv_proj's output over the fused weight, when the caller made it (x is then unused). At every
+        size it is one product that the attention inputs kernel reads q, k and v out of: per-part products of a
+        prefill chunk were merged into that GEMM by XLA anyway, then copied apart for the kernel (three copy kernels
+        a layer, ~340 MB moved at 8192 tokens; deviceless compile for the H200)."""
         cfg = self.cfg
-        products = _products(cfg, "qkv_proj", self.qkv_proj, x, ctx.mixers.linear) if product is None else (product,)
+        qkv = self.qkv_proj(x, ctx.mixers.linear) if product is None else product
         q, k, gate, k_pages, v_pages = ctx.mixers.attention_inputs(
-            products, self.q_norm.weight[...], self.k_norm.weight[...], ctx.cos, ctx.sin, cache.k_pages,
+            qkv, self.q_norm.weight[...], self.k_norm.weight[...], ctx.cos, ctx.sin, cache.k_pages,
             cache.v_pages, layer, ctx.kv_page, ctx.kv_offset, heads=cfg.num_attention_heads,
             kv_heads=cfg.num_key_value_heads, eps=cfg.rms_norm_eps)  # fmt: skip
         (_, q_p), (_, gate_p) = ctx.split(q), ctx.split(gate)
@@ -310,12 +298,12 @@ class Attention(nnx.Module):
             out_d = ctx.mixers.decode_attention(q, k_pages, v_pages, layer, side.page_table, ctx.decode_lengths, gate)
         if q_p is not None:
             side = ctx.inputs.prefill
-            _, _, v = split_parts(products, cfg.num_attention_heads, cfg.num_key_value_heads)
+            _, _, v = split_qkv(qkv, cfg.num_attention_heads, cfg.num_key_value_heads)
             (_, k_p), (_, v_p) = ctx.split(k), ctx.split(v)  # the chunk's own keys, as projected (also paged now)
             out_p = ctx.mixers.prefill_attention(q_p, k_p, v_p, k_pages, v_pages, layer, side.page_table, side.start,
                                                  side.lengths)  # fmt: skip
             out_p = output_gate(out_p, gate_p)
-        out = StepContext.join(out_d, out_p).reshape(products[0].shape[0], -1)
+        out = StepContext.join(out_d, out_p).reshape(qkv.shape[0], -1)
         out = self.o_proj.parts(out, ctx.mixers.linear_parts)
         return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages)
 

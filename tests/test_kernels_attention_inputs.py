@@ -22,7 +22,7 @@ from qwen35_jax.kernels.attention_inputs import (
     apply_rope,
     attention_inputs_pallas,
     attention_inputs_ref,
-    split_parts,
+    split_qkv,
 )
 from qwen35_jax.kernels.residual_norm import rms_norm
 
@@ -38,7 +38,7 @@ def rope_tables(positions, rot: int, theta: float = 1e7):
 
 
 def case(tokens, heads, kv_heads, dim, rot, *, pages=6, page_size=16, layers=2, seed=0):
-    """(parts as one fused product, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset): distinct
+    """(the fused qkv product, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset): distinct
     slots, and with more than one token the last is a padding token at the trash page 0."""
     keys = jax.random.split(jax.random.key(seed), 6)
     qkv = jax.random.normal(keys[0], (tokens, (2 * heads + 2 * kv_heads) * dim)).astype(jnp.bfloat16)
@@ -50,7 +50,7 @@ def case(tokens, heads, kv_heads, dim, rot, *, pages=6, page_size=16, layers=2, 
     kv_page, kv_offset = slots // page_size, slots % page_size
     if tokens > 1:
         kv_page[-1] = 0  # a padding token: the trash page
-    return (qkv,), q_norm, k_norm, cos, sin, k_pages, v_pages, 1, jnp.asarray(kv_page), jnp.asarray(kv_offset)
+    return qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, 1, jnp.asarray(kv_page), jnp.asarray(kv_offset)
 
 
 def as64(x):
@@ -79,9 +79,9 @@ def rope_bound(normed, cos, sin, roped):
 def check(args, heads, kv_heads, out):
     """The kernel's (q, k, gate, k_pages, v_pages) against the reference's, within the bounds; the gate and V bit
     for bit; every page slot the step does not write is bit-identical."""
-    parts, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset = args
+    qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, layer, kv_page, kv_offset = args
     ref = attention_inputs_ref(*args, heads=heads, kv_heads=kv_heads, eps=EPS)
-    q_gate, k_raw, v_raw = split_parts(parts, heads, kv_heads)
+    q_gate, k_raw, v_raw = split_qkv(qkv, heads, kv_heads)
     dim = k_raw.shape[-1]
     q_bound = rope_bound(rms_norm(q_gate[..., :dim], q_norm, EPS), cos, sin, ref[0])
     k_bound = rope_bound(rms_norm(k_raw, k_norm, EPS), cos, sin, ref[1])
@@ -116,24 +116,12 @@ def test_fused_product_matches_ref(tokens, heads, kv_heads, dim, rot):
     check(args, heads, kv_heads, run_kernel(args, heads, kv_heads))
 
 
-def test_three_parts_match_the_fused_product():
-    """The per-part products (prefill chunks over FUSED_QKV_MAX_ROWS rows) are read in place the same way."""
-    args = case(4, 4, 2, 64, 16, seed=3)
-    (qkv,) = args[0]
-    parts = tuple(jnp.split(qkv, (2 * 4 * 64, (2 * 4 + 2) * 64), axis=-1))
-    fused = run_kernel(args, 4, 2)
-    split = run_kernel((parts, *args[1:]), 4, 2)
-    for a, b in zip(fused, split, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    check((parts, *args[1:]), 4, 2, split)
-
-
 def test_ref_is_norm_then_partial_rope():
     """The reference is HF's order: zero-centred RMSNorm of each head's query half, then RoPE on the first rot dims
     with rotate_half pairs; v goes to the pages untouched."""
     args = case(2, 4, 2, 64, 16, seed=5)
     q, k, gate, k_pages, v_pages = attention_inputs_ref(*args, heads=4, kv_heads=2, eps=EPS)
-    q_gate, k_raw, v_raw = split_parts(args[0], 4, 2)
+    q_gate, k_raw, v_raw = split_qkv(args[0], 4, 2)
     np.testing.assert_array_equal(np.asarray(q), np.asarray(apply_rope(rms_norm(q_gate[..., :64], args[1], EPS),
                                                                        args[3], args[4])))  # fmt: skip
     normed = np.asarray(rms_norm(q_gate[..., :64], args[1], EPS))

@@ -10,7 +10,15 @@ import numpy as np
 from qwen35_jax.api import load_model
 from qwen35_jax.config import preset
 from qwen35_jax.kernels.linear import linear_ref
-from qwen35_jax.model import FUSED_QKV_MAX_ROWS, MLP, GatedDeltaNet, _projections, fused_parts, layout_for_platform
+from qwen35_jax.model import (
+    FUSED_QKV_MAX_ROWS,
+    MLP,
+    Attention,
+    GatedDeltaNet,
+    _projections,
+    fused_parts,
+    layout_for_platform,
+)
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 512, 90)]
 
@@ -40,34 +48,58 @@ def test_layout_for_platform_splits_and_frees_the_stacked_weights_on_a_gpu_only(
     assert layout_for_platform(per_group, platform="gpu") is per_group
 
 
-def test_fused_input_projections_split_for_prefill_sized_inputs():
-    """Up to FUSED_QKV_MAX_ROWS rows a fused input projection is one product over the fused weight; above (prefill)
-    each part is its own product over the part's rows of the fused weight, so the outputs are exactly the separate
-    products (the same dot products, bit for bit, XLA's CPU GEMM either way); the MLP's gate/up stays one product.
-    One wider GEMM may block K differently on the CPU: a few fp32 ulps (1e-5 relative on values ~30)."""
+def test_gdn_in_proj_splits_for_prefill_sized_inputs():
+    """Up to FUSED_QKV_MAX_ROWS rows the GDN in_proj is one product over the fused weight; above (prefill) it is two,
+    the conv input and z in one and b and a in the other, which are exactly the separate products (the same dot
+    products, bit for bit, XLA's CPU GEMM either way). One wider GEMM may block K differently on the CPU: a few fp32
+    ulps (1e-5 relative on values ~30)."""
     cfg = preset("tiny")
     module = GatedDeltaNet(cfg, jnp.float32)
     module.in_proj.weight[...] = jax.random.normal(jax.random.key(0), module.in_proj.weight.shape)
-    widths = [width for _, width in fused_parts(cfg)["in_proj"]]
-    bounds = np.cumsum(widths)[:-1]
+    weight = np.asarray(module.in_proj.weight[...])
+    qkvz = cfg.conv_dim + cfg.gdn_value_dim
     calls = []
 
     def counting_linear(x, w):
         calls.append(w.shape[0])
         return linear_ref(x, w)
 
-    for rows, parts in ((FUSED_QKV_MAX_ROWS, [sum(widths)]), (FUSED_QKV_MAX_ROWS + 1, widths)):
+    for rows, widths in (
+        (FUSED_QKV_MAX_ROWS, [weight.shape[0]]),
+        (FUSED_QKV_MAX_ROWS + 1, [qkvz, 2 * cfg.linear_num_value_heads]),
+    ):
         x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size))
         calls.clear()
-        outs = _projections(cfg, "in_proj", module.in_proj, x, counting_linear)
-        assert calls == parts, (rows, calls)
-        for out, w in zip(outs, np.split(np.asarray(module.in_proj.weight[...]), bounds), strict=True):
-            expected = linear_ref(x, jnp.asarray(w))
-            if rows > FUSED_QKV_MAX_ROWS:
-                np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
-            else:
-                np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=1e-5)
-    mlp = MLP(cfg, jnp.float32)
-    calls.clear()
-    _projections(cfg, "gate_up_proj", mlp.gate_up_proj, x, counting_linear)  # x: the prefill-sized rows
-    assert calls == [2 * cfg.intermediate_size], calls
+        product, ba, ba_col = module._in_projections(x, counting_linear)
+        assert calls == widths, (rows, calls)
+        got = np.concatenate(
+            [np.asarray(product)[:, :qkvz], np.asarray(ba)[:, ba_col : ba_col + 2 * cfg.linear_num_value_heads]],
+            axis=-1,
+        )
+        expected = np.concatenate([np.asarray(linear_ref(x, jnp.asarray(weight[:qkvz]))),
+                                   np.asarray(linear_ref(x, jnp.asarray(weight[qkvz:])))], axis=-1)  # fmt: skip
+        if rows > FUSED_QKV_MAX_ROWS:
+            np.testing.assert_array_equal(got, expected)
+        else:
+            np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_and_mlp_projections_are_one_product_at_prefill_sizes():
+    """qkv_proj and gate_up_proj are one product over the fused weight at any row count: the attention inputs kernel
+    reads q, k and v out of it in place (split products were merged back into one GEMM by XLA and then copied apart
+    for the kernel), and the MLP's activation reads gate and up from it."""
+    cfg = preset("tiny")
+    calls = []
+
+    def counting_linear(x, w):
+        calls.append(w.shape[0])
+        return linear_ref(x, w)
+
+    x = jax.random.normal(jax.random.key(1), (FUSED_QKV_MAX_ROWS + 1, cfg.hidden_size))
+    attention, mlp = Attention(cfg, jnp.float32), MLP(cfg, jnp.float32)
+    for name, module in (("qkv_proj", attention.qkv_proj), ("gate_up_proj", mlp.gate_up_proj)):
+        calls.clear()
+        outs = _projections(cfg, name, module, x, counting_linear)
+        widths = [width for _, width in fused_parts(cfg)[name]]
+        assert calls == [sum(widths)], (name, calls)
+        assert [out.shape[-1] for out in outs] == widths
