@@ -29,14 +29,7 @@ from qwen35_jax.kernels.conv1d import (
 from qwen35_jax.kernels.decode_attention import paged_decode_attention_pallas, paged_decode_attention_ref
 from qwen35_jax.kernels.gdn_decode import gdn_decode_pool_gated_pallas, gdn_decode_pool_gated_ref
 from qwen35_jax.kernels.gdn_prefill import gdn_chunked_prefill_packed_pallas, gdn_chunked_prefill_packed_ref
-from qwen35_jax.kernels.linear import (
-    activated_linear_parts_pallas,
-    activated_linear_parts_ref,
-    linear_pallas,
-    linear_parts_pallas,
-    linear_parts_ref,
-    linear_ref,
-)
+from qwen35_jax.kernels.linear import linear_pallas, linear_parts_pallas, linear_parts_ref, linear_ref
 from qwen35_jax.kernels.norm_linear import norm_linear_pallas, norm_linear_ref
 from qwen35_jax.kernels.residual_norm import residual_norm_pallas, residual_norm_ref
 
@@ -67,19 +60,18 @@ class Mixers(NamedTuple):
     # K/V written to the pages
     norm_linear: object  # (h, parts, norm_weight, weight, eps) -> (h + the parts' sum, its RMSNorm @ weight^T):
     # `residual_norm`, then `linear` of the norm, in one kernel for a decode step of a few rows
-    activated_linear_parts: object  # (gate_up, weight) -> `linear_parts` of silu_mul(gate, up), gate_up's halves
 
 
 REF = Mixers(
     "ref", gdn_chunked_prefill_packed_ref, gdn_decode_pool_gated_ref, causal_conv1d_prefill_ref, causal_conv1d_update_pool_ref,
     paged_decode_attention_ref, prefill_attention_ref, linear_ref, linear_parts_ref, residual_norm_ref,
-    attention_inputs_ref, norm_linear_ref, activated_linear_parts_ref,
+    attention_inputs_ref, norm_linear_ref,
 )  # fmt: skip
 
 _PALLAS = (
     gdn_chunked_prefill_packed_pallas, gdn_decode_pool_gated_pallas, causal_conv1d_prefill_pallas, causal_conv1d_update_pool_pallas,
     paged_decode_attention_pallas, prefill_attention_pallas, linear_pallas, linear_parts_pallas, residual_norm_pallas,
-    attention_inputs_pallas, norm_linear_pallas, activated_linear_parts_pallas,
+    attention_inputs_pallas, norm_linear_pallas,
 )  # fmt: skip
 # Each kernel is wrapped in its own jax.jit: a step calls the same kernel at the same shapes in many layers
 # (24 GDN and 8 attention layers at 4B), and JAX lowers a nested jit once per program and calls it from each

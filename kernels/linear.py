@@ -66,13 +66,6 @@ def linear_ref(x: jax.Array, w: jax.Array) -> jax.Array:
     return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=x.dtype)
 
 
-def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """The MLP's activation: silu(gate) rounded to the model dtype, times up (the exact product of two bf16
-    values fits fp32, so this rounds once, as a bf16 multiply does)."""
-    act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
-    return (act.astype(jnp.float32) * up.astype(jnp.float32)).astype(up.dtype)
-
-
 def default_splits(n: int, k: int, block_n: int, block_k: int, tuning: LinearTuning = LinearTuning()) -> int:
     """The fewest K splits that give every SM `programs_per_sm` programs, keeping >= `min_steps` block_k steps each
     and dividing K's steps evenly."""
@@ -96,64 +89,15 @@ def _load_rows(ref, rows: int, col, width: int):
     return pltriton.load(ref.at[pl.ds(0, rows), pl.ds(col, width)], mask=valid, other=0)
 
 
-def _load_activated(ref, rows: int, col, width: int, up_offset: int):
-    """silu_mul(gate, up) of ref's [rows, width] blocks at columns `col` (gate) and `up_offset + col` (up), with
-    `silu_mul`'s roundings: silu in fp32 rounded to ref's dtype, the product rounded once."""
-    gate = _load_rows(ref, rows, col, width).astype(jnp.float32)
-    up = _load_rows(ref, rows, up_offset + col, width)
-    return _silu_mul(gate, up, ref.dtype)
-
-
-def _first_row(vector, rows: int):
-    """A [width] vector as the first row of a [rows, width] tile of zeros."""
-    first = lax.broadcasted_iota(jnp.int32, (rows, vector.shape[0]), 0) == 0
-    return jnp.where(first, vector[None, :], jnp.zeros((), vector.dtype))
-
-
-def _silu_mul(gate, up, dtype):
-    """`silu_mul` on an fp32 gate, in Triton's ops."""
-    act = (gate / (1 + jnp.exp(-gate))).astype(dtype)
-    return (act.astype(jnp.float32) * up.astype(jnp.float32)).astype(dtype)
-
-
-def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, rows: int, early_launch: bool,
-            up_offset: int | None = None):  # fmt: skip
+def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, rows: int, early_launch: bool):
     first = start_dependents(pl.program_id(1), early_launch) * steps
 
-    zeros = jnp.zeros((rows, out_ref.shape[-1]), jnp.float32)
-
-    def product(acc, x, j):
+    def step(j, acc):  # x feeds the product as loaded, so Triton pipelines its load with w's
+        x = _load_rows(x_ref, rows, pl.multiple_of((first + j) * block_k, block_k), block_k)
         w = w_ref[:, pl.ds(pl.multiple_of(j * block_k, block_k), block_k)]
         return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    def column(j):
-        return pl.multiple_of((first + j) * block_k, block_k)
-
-    if up_offset is not None and x_ref.shape[0] == 1:
-        # One row (a batch-1 step): its activation made once a step as a [block_k] vector, not on the padded tile
-        # (where every warp computed all of it: 64 exp and 64 divisions a thread a step in the PTX), and its gate
-        # and up loaded a step ahead, since Triton pipelines only the loads that feed a product as loaded.
-        def ahead(j):
-            col = column(jnp.minimum(j, steps - 1))
-            return x_ref[0, pl.ds(col, block_k)], x_ref[0, pl.ds(up_offset + col, block_k)]
-
-        def step_one_row(j, carry):
-            acc, gate, up = carry
-            following = ahead(j + 1)
-            x = _first_row(_silu_mul(gate.astype(jnp.float32), up, x_ref.dtype), rows)
-            return product(acc, x, j), *following
-
-        acc = lax.fori_loop(0, steps, step_one_row, (zeros, *ahead(0)))[0]
-    else:
-
-        def step(j, acc):  # x feeds the product as loaded, so Triton pipelines its load with w's
-            if up_offset is None:
-                x = _load_rows(x_ref, rows, column(j), block_k)
-            else:
-                x = _load_activated(x_ref, rows, column(j), block_k, up_offset)
-            return product(acc, x, j)
-
-        acc = lax.fori_loop(0, steps, step, zeros)
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((rows, out_ref.shape[-1]), jnp.float32))
     _store_rows(out_ref, rows, acc.astype(out_ref.dtype))
 
 
@@ -194,35 +138,14 @@ def linear_parts_pallas(x, w, *, tuning: LinearTuning = LinearTuning(), interpre
     not split): a consumer that sums them itself (`kernels.residual_norm`) saves the sum's kernel. Rows beyond
     tuning.max_rows, and shapes the tiles do not divide, take `linear_parts_ref`. The tiles are tuning's, cut to
     the largest power of two dividing N and K, so one tuning serves every product of a model."""
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={w.shape[1]}")
-    return _parts_pallas(x, w, None, tuning, interpret)
-
-
-def activated_linear_parts_ref(gate_up: jax.Array, w: jax.Array) -> jax.Array:
-    """The MLP's down projection over its activation: `linear_parts_ref(silu_mul(gate, up), w)`, gate_up [..., 2K]
-    the gate and up products side by side, w [N, K]."""
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return linear_parts_ref(silu_mul(gate, up), w)
-
-
-def activated_linear_parts_pallas(gate_up, w, *, tuning: LinearTuning = LinearTuning(), interpret: bool = False):
-    """`activated_linear_parts_ref` as `linear_parts_pallas`'s kernel, each program making the activation of its
-    K range of rows as it loads them. Why: at decode the activation was a kernel of its own between the gate/up
-    product and the down product, one launch a layer for a few rows (32 of a 4B batch-1 step's ~270)."""
-    if gate_up.shape[-1] != 2 * w.shape[1]:
-        raise ValueError(f"gate_up's last axis {gate_up.shape[-1]} is not twice w's K={w.shape[1]}")
-    return _parts_pallas(gate_up, w, w.shape[1], tuning, interpret)
-
-
-def _parts_pallas(x, w, up_offset: int | None, tuning: LinearTuning, interpret: bool):
-    """The kernel's partial sums of x @ w^T, or, with up_offset (= K), of silu_mul(x[:, :K], x[:, K:]) @ w^T."""
     n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last axis {x.shape[-1]} does not match w's K={k}")
     block_n, block_k = _tile(n, tuning.block_n), _tile(k, tuning.block_k)
-    if not fits_kernel((*x.shape[:-1], k), w.shape, block_n, block_k, tuning.max_rows):
-        return (linear_parts_ref if up_offset is None else activated_linear_parts_ref)(x, w)
+    if not fits_kernel(x.shape, w.shape, block_n, block_k, tuning.max_rows):
+        return linear_parts_ref(x, w)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, k)
     m = x2.shape[0]
     splits = tuning.splits or default_splits(n, k, block_n, block_k, tuning)
     steps = k // block_k // splits
@@ -230,7 +153,7 @@ def _parts_pallas(x, w, up_offset: int | None, tuning: LinearTuning, interpret: 
         raise ValueError(f"splits={splits} does not divide K={k} into block_k={block_k} steps")
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=block_k, steps=steps, rows=pl.next_power_of_2(max(m, 16)),
-                          early_launch=not interpret, up_offset=up_offset),
+                          early_launch=not interpret),
         grid=(n // block_n, splits),
         in_specs=[pl.BlockSpec(x2.shape, lambda i, s: (0, 0)),
                   pl.BlockSpec((block_n, steps * block_k), lambda i, s: (i, s))],
@@ -238,7 +161,7 @@ def _parts_pallas(x, w, up_offset: int | None, tuning: LinearTuning, interpret: 
         out_shape=jax.ShapeDtypeStruct((splits, m, n), x.dtype if splits == 1 else jnp.float32),
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
-        name="linear" if up_offset is None else "activated_linear",
+        name="linear",
     )(x2, w)  # fmt: skip
     return out.reshape(splits, *lead, n)
 

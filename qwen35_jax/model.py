@@ -32,7 +32,7 @@ from qwen35_jax.kernels import Mixers
 from qwen35_jax.kernels.attention_inputs import split_qkv
 from qwen35_jax.kernels.decode_attention import output_gate
 from qwen35_jax.kernels.gdn_decode import gate_columns, gated_rms_norm, gdn_gates
-from qwen35_jax.kernels.linear import activated_linear_parts_ref, linear_parts_ref, linear_ref, silu_mul
+from qwen35_jax.kernels.linear import linear_parts_ref, linear_ref
 from qwen35_jax.kernels.norm_linear import FUSED_MAX_ROWS as NORM_LINEAR_MAX_ROWS
 from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
 
@@ -58,6 +58,13 @@ def fused_parts(cfg: Qwen35Config) -> dict[str, tuple[tuple[str, int], ...]]:
 def _param(shape, dtype) -> nnx.Param:
     # Values are filled from a checkpoint or by weights.random_params; modules are built abstractly.
     return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The MLP's activation: silu(gate) rounded to the model dtype, times up (the exact product of two bf16
+    values fits fp32, so this rounds once, as a bf16 multiply does)."""
+    act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+    return (act.astype(jnp.float32) * up.astype(jnp.float32)).astype(up.dtype)
 
 
 class Linear(nnx.Module):
@@ -134,14 +141,12 @@ class MLP(nnx.Module):
         self.gate_up_proj = _fused_linear(cfg, "gate_up_proj", cfg.hidden_size, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
-    def __call__(self, x, linear=linear_ref, linear_parts=linear_parts_ref, product=None,
-                 activated_linear_parts=activated_linear_parts_ref):  # fmt: skip
-        """product: gate_up_proj's output over the fused weight, when the caller made it (x is then unused); the
-        down projection then reads it through `activated_linear_parts` (`Mixers.activated_linear_parts`: the
-        activation made inside the product's kernel)."""
-        if product is not None:
-            return activated_linear_parts(product, self.down_proj.weight[...])
-        gate, up = _projections(self.cfg, "gate_up_proj", self.gate_up_proj, x, linear)
+    def __call__(self, x, linear=linear_ref, linear_parts=linear_parts_ref, product=None):
+        """product: gate_up_proj's output over the fused weight, when the caller made it (x is then unused)."""
+        if product is None:
+            gate, up = _projections(self.cfg, "gate_up_proj", self.gate_up_proj, x, linear)
+        else:
+            gate, up = jnp.split(product, _part_bounds(self.cfg, "gate_up_proj"), axis=-1)
         return self.down_proj.parts(silu_mul(gate, up), linear_parts)
 
 
@@ -326,9 +331,7 @@ class DecoderLayer(nnx.Module):
         else:
             out, cache = self.self_attn(x, cache, layer, ctx, product=product)
         h, x, product = self._norm(self.post_attention_layernorm, h, out, self.mlp.gate_up_proj, ctx.mixers)
-        mlp = self.mlp(x, ctx.mixers.linear, ctx.mixers.linear_parts, product=product,
-                       activated_linear_parts=ctx.mixers.activated_linear_parts)  # fmt: skip
-        return h, mlp, cache, state
+        return h, self.mlp(x, ctx.mixers.linear, ctx.mixers.linear_parts, product=product), cache, state
 
     @staticmethod
     def _norm(norm: RMSNorm, h, parts, linear: Linear, mixers: Mixers):

@@ -82,8 +82,7 @@ def test_each_kernel_is_lowered_once_per_program(layout):
 
 
 def test_decode_kernels_let_the_next_kernel_launch_early():
-    """A 4B batch-1 decode step lowered for an abstract H200: the weight products (`linear`, its activated form for
-    the MLP's down projection, `norm_linear`), the GDN
+    """A 4B batch-1 decode step lowered for an abstract H200: the weight products (`linear`, `norm_linear`), the GDN
     decode, the conv update and decode attention let the kernel after them launch from their entry
     (`griddepcontrol.launch_dependents`, `kernels.device.start_dependents`); the attention inputs and the lone
     residual norm do not. Each kernel is a private function of the lowered module, suffixed when lowered at
@@ -98,7 +97,6 @@ def test_decode_kernels_let_the_next_kernel_launch_early():
             signals.setdefault(name, set()).add("griddepcontrol.launch_dependents" in function)
     assert signals == {
         "linear_parts_pallas": {True},
-        "activated_linear_parts_pallas": {True},
         "norm_linear_pallas": {True},
         "gdn_decode_pool_gated_pallas": {True},
         "causal_conv1d_update_pool_pallas": {True},
