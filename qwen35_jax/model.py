@@ -39,8 +39,8 @@ from qwen35_jax.kernels.residual_norm import residual_delta, rms_norm
 # The GDN in_proj over more rows than this (prefill chunks) is two products, conv input and z in one and b and a in
 # the other (`GatedDeltaNet._in_projections`): XLA's GEMM over the fused [12352, 2560] shape made an 8192-token 4B
 # prefill 173 ms against 154 ms with the parts apart on the H200, while decode batches up to 256 gain from one product.
-FUSED_QKV_MAX_ROWS = 256
-assert NORM_LINEAR_MAX_ROWS <= FUSED_QKV_MAX_ROWS  # in_proj is one product there, which `norm_linear` makes
+FUSED_IN_PROJ_MAX_ROWS = 256
+assert NORM_LINEAR_MAX_ROWS <= FUSED_IN_PROJ_MAX_ROWS  # in_proj is one product there, which `norm_linear` makes
 
 
 def fused_parts(cfg: Qwen35Config) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -205,12 +205,12 @@ class GatedDeltaNet(nnx.Module):
         """(the product whose first conv_dim columns are the conv's input and the next gdn_value_dim z, the array
         holding b and then a, the column b starts at). The conv and GDN decode kernels read their columns where the
         product wrote them: a slice handed to them would be copied first (12 us a layer at 1024 tokens on the H200).
-        Over more than FUSED_QKV_MAX_ROWS rows the conv input and z, whose width tiles well, are one product and b and a
+        Over more than FUSED_IN_PROJ_MAX_ROWS rows the conv input and z, whose width tiles well, are one product and b and a
         another; up to it, all four are one."""
         cfg = self.cfg
         weight = self.in_proj.weight[...]
         qkvz = cfg.conv_dim + cfg.gdn_value_dim
-        if math.prod(x.shape[:-1]) > FUSED_QKV_MAX_ROWS:
+        if math.prod(x.shape[:-1]) > FUSED_IN_PROJ_MAX_ROWS:
             product, ba, ba_col = linear(x, weight[:qkvz]), linear(x, weight[qkvz:]), 0
         else:
             product = ba = linear(x, weight)

@@ -11,7 +11,7 @@ from qwen35_jax.api import load_model
 from qwen35_jax.config import preset
 from qwen35_jax.kernels.linear import linear_ref
 from qwen35_jax.model import (
-    FUSED_QKV_MAX_ROWS,
+    FUSED_IN_PROJ_MAX_ROWS,
     MLP,
     Attention,
     GatedDeltaNet,
@@ -49,7 +49,7 @@ def test_layout_for_platform_splits_and_frees_the_stacked_weights_on_a_gpu_only(
 
 
 def test_gdn_in_proj_splits_for_prefill_sized_inputs():
-    """Up to FUSED_QKV_MAX_ROWS rows the GDN in_proj is one product over the fused weight; above (prefill) it is two,
+    """Up to FUSED_IN_PROJ_MAX_ROWS rows the GDN in_proj is one product over the fused weight; above (prefill) it is two,
     the conv input and z in one and b and a in the other, which are exactly the separate products (the same dot
     products, bit for bit, XLA's CPU GEMM either way). One wider GEMM may block K differently on the CPU: a few fp32
     ulps (1e-5 relative on values ~30)."""
@@ -65,8 +65,8 @@ def test_gdn_in_proj_splits_for_prefill_sized_inputs():
         return linear_ref(x, w)
 
     for rows, widths in (
-        (FUSED_QKV_MAX_ROWS, [weight.shape[0]]),
-        (FUSED_QKV_MAX_ROWS + 1, [qkvz, 2 * cfg.linear_num_value_heads]),
+        (FUSED_IN_PROJ_MAX_ROWS, [weight.shape[0]]),
+        (FUSED_IN_PROJ_MAX_ROWS + 1, [qkvz, 2 * cfg.linear_num_value_heads]),
     ):
         x = jax.random.normal(jax.random.key(rows), (rows, cfg.hidden_size))
         calls.clear()
@@ -78,7 +78,7 @@ def test_gdn_in_proj_splits_for_prefill_sized_inputs():
         )
         expected = np.concatenate([np.asarray(linear_ref(x, jnp.asarray(weight[:qkvz]))),
                                    np.asarray(linear_ref(x, jnp.asarray(weight[qkvz:])))], axis=-1)  # fmt: skip
-        if rows > FUSED_QKV_MAX_ROWS:
+        if rows > FUSED_IN_PROJ_MAX_ROWS:
             np.testing.assert_array_equal(got, expected)
         else:
             np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
@@ -95,7 +95,7 @@ def test_attention_and_mlp_projections_are_one_product_at_prefill_sizes():
         calls.append(w.shape[0])
         return linear_ref(x, w)
 
-    x = jax.random.normal(jax.random.key(1), (FUSED_QKV_MAX_ROWS + 1, cfg.hidden_size))
+    x = jax.random.normal(jax.random.key(1), (FUSED_IN_PROJ_MAX_ROWS + 1, cfg.hidden_size))
     attention, mlp = Attention(cfg, jnp.float32), MLP(cfg, jnp.float32)
     for name, module in (("qkv_proj", attention.qkv_proj), ("gate_up_proj", mlp.gate_up_proj)):
         calls.clear()
