@@ -8,9 +8,9 @@ Math (per token n; HF's Qwen3.5 order and rounding):
     rope(x)[:r] = round(round(x[:r] cos) + round(rotate_half(x[:r]) sin)),  rope(x)[r:] = x[r:]   (r = rotary dim)
     k_pages[layer, kv_page[n], kv_offset[n]] = k[n];  v_pages[...] = v[n] (as projected)
 Layouts: qkv [N, 2 H D + 2 KV D], the fused product with its parts q_gate [N, 2 H D], k [N, KV D] and v [N, KV D]
-side by side; q_norm, k_norm [D]; cos, sin [N, r]; pages [L, P, page_size, KV, D]; kv_page, kv_offset [N] int32 (padding tokens point at the trash page). Returns q [N, H, D], k [N, KV, D], the
-output gate [N, H, D] (q_gate's second halves, dense) and the two page pools with the tokens written (in place under
-jit with the pools donated).
+side by side; q_norm, k_norm [D]; cos, sin [N, r]; pages [L, P, page_size, KV, D]; kv_page, kv_offset [N] int32
+(padding tokens point at the trash page). Returns q [N, H, D], k [N, KV, D], the output gate [N, H, D] (q_gate's
+second halves, dense) and the two page pools with the tokens written (in place under jit with the pools donated).
 
 Why a kernel: XLA made these five kernels a layer in a decode step (the two norms with the rotation of q, of k with
 the K write, the V write, and a copy), ~1.3 us each at batch 1 on the H100 against one of about the same time;
@@ -20,10 +20,10 @@ prefill attention.
 
 Pallas kernel (Triton lowering): grid (N,), one program a token. The parts are read in place through BlockSpecs on
 views of the product as rows of D (q_gate: rows of 2 D, the query the first half of each): slices of it handed to a
-kernel would be copies. rotate_half needs each lane's partner
-(i +- r/2), which a register tile cannot permute, so the partner lanes are loaded again from memory with permuted
-column indices (an L1 hit) and normalised with the row's own scale. K and V go to the pool refs (pl.ANY, aliased in
-to out) with scalar indices, as the decode kernels index their pools: int64 offsets once a pool passes 2^32 bytes.
+kernel would be copies. rotate_half needs each lane's partner (i +- r/2), which a register tile cannot permute, so
+the partner lanes are loaded again from memory with permuted column indices (an L1 hit) and normalised with the
+row's own scale. K and V go to the pool refs (pl.ANY, aliased in to out) with scalar indices, as the decode kernels
+index their pools: int64 offsets once a pool passes 2^32 bytes.
 """
 
 from __future__ import annotations

@@ -205,8 +205,8 @@ class GatedDeltaNet(nnx.Module):
         """(the product whose first conv_dim columns are the conv's input and the next gdn_value_dim z, the array
         holding b and then a, the column b starts at). The conv and GDN decode kernels read their columns where the
         product wrote them: a slice handed to them would be copied first (12 us a layer at 1024 tokens on the H200).
-        Over more than FUSED_IN_PROJ_MAX_ROWS rows the conv input and z, whose width tiles well, are one product and b and a
-        another; up to it, all four are one."""
+        Over more than FUSED_IN_PROJ_MAX_ROWS rows the conv input and z, whose width tiles well, are one product and b
+        and a another; up to it, all four are one."""
         cfg = self.cfg
         weight = self.in_proj.weight[...]
         qkvz = cfg.conv_dim + cfg.gdn_value_dim

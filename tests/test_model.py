@@ -49,8 +49,8 @@ def test_layout_for_platform_splits_and_frees_the_stacked_weights_on_a_gpu_only(
 
 
 def test_gdn_in_proj_splits_for_prefill_sized_inputs():
-    """Up to FUSED_IN_PROJ_MAX_ROWS rows the GDN in_proj is one product over the fused weight; above (prefill) it is two,
-    the conv input and z in one and b and a in the other, which are exactly the separate products (the same dot
+    """Up to FUSED_IN_PROJ_MAX_ROWS rows the GDN in_proj is one product over the fused weight; above (prefill) it is
+    two, the conv input and z in one and b and a in the other, which are exactly the separate products (the same dot
     products, bit for bit, XLA's CPU GEMM either way). One wider GEMM may block K differently on the CPU: a few fp32
     ulps (1e-5 relative on values ~30)."""
     cfg = preset("tiny")

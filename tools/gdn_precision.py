@@ -9,13 +9,13 @@ Inputs are drawn as the 4B golden gate's random model draws them (A = U(1, 16), 
     python tools/gdn_precision.py --tokens 512 --cases kernel    # the kernel's precision forms only
 
 Two tables (--cases): "kernel", precision forms on bf16 inputs, each site rounded as that form rounds it: "tf32"
-(the kernel's: TF32 except the `_coarse` products and Q K^T on the raw inputs, bf16) and two it does not take, "bf16" (every operand in bf16,
-as flash-linear-attention does; the 4B golden gate fails with it) and "tf32 + bf16 output" (the output kernel's
-Q K^T, Q S and A V' in bf16, the rest as "tf32"), which asks whether the output kernel could run in bf16 because its
-errors do not feed the recurrence (no: it keeps 95% of bf16's output error, docs/accuracy.md); and "sites", one
-product site at a time in the other precision. The emulation rounds only matmul operands: it does not model what a
-bf16 form would store between passes in bf16 (W, U, Q_c S_c, V'; the kernel stores W so), so it slightly
-flatters the bf16 forms; and it rounds the state update's two bf16 parts of V' as the site's precision says (TF32
+(the kernel's: TF32 except the `_coarse` products and Q K^T on the raw inputs, bf16) and two it does not take,
+"bf16" (every operand in bf16, as flash-linear-attention does; the 4B golden gate fails with it) and "tf32 + bf16
+output" (Q K^T, Q S and A V' in bf16, the rest as "tf32"), which asks whether the output's products could run in
+bf16 because their errors do not feed the recurrence (no: it keeps 95% of bf16's output error, docs/accuracy.md);
+and "sites", one product site at a time in the other precision. The emulation rounds only matmul operands: it does
+not model what a bf16 form would store between passes in bf16 (W, U, Q_c S_c, V'; the kernel stores W so), so it
+slightly flatters the bf16 forms; and it rounds the state update's two bf16 parts of V' as the site's precision says (TF32
 leaves the high part exact and rounds the low one), close to the kernel's exact bf16 parts.
 
 Sites are named by the kernel function that calls `_dot` and, where one function holds several, by the
@@ -48,7 +48,9 @@ SITES = {  # site name -> (calling function, fragments of the calling line (any 
 COARSE_SITES = ("solve A and A X (WY kernel)", "W S")  # the products the kernel multiplies at `_coarse(dots)`
 # Q K^T multiplies the raw q and k: on bf16 inputs the kernel takes bf16 operands there, which are exact.
 RAW_SITES = ("Q K^T",)
-OUTPUT_SITES = ("Q K^T", "Q S", "A V'")  # `_chunk_output_kernel`: the parallel output kernel's products
+# The products whose errors do not feed the recurrence: the output kernel's Q K^T and A V', and Q S, which the walk
+# makes off its chain for the output kernel.
+OUTPUT_SITES = ("Q K^T", "Q S", "A V'")
 PRECISIONS = {  # label -> (the products' precision, the output kernel's: None = the same) on bf16 inputs
     "bf16": ("bf16", None),
     "tf32": ("tf32", None),
