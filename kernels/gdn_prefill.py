@@ -178,9 +178,11 @@ def _dot(a, b, dots: str, contract=((1,), (0,))):
 
 
 def _coarse(dots: str) -> str:
-    """The precision of the matmuls whose bf16 rounding barely moves the output (the solve's A and A X products and
-    W S: each under 1e-6 relative RMS of the output alone, against 1-3e-3 for the others, CPU emulation at 4B head
-    shapes: tools/gdn_precision.py, docs/accuracy.md): bf16 under "tf32", so only the sensitive products pay for TF32."""
+    """The precision of the matmuls whose bf16 rounding barely moves the output: the solve's A and A X products, W S
+    and Q S. Each alone in bf16 takes the output's relative RMS error from 0.0347% to 0.0347% (Q S: 0.0356%), where
+    the solve's W, U product or A V' in bf16 take it to 0.167% or 0.237% (CPU emulation at 4B head shapes, 512
+    tokens: tools/gdn_precision.py --cases sites, docs/accuracy.md). bf16 under "tf32", so only the sensitive
+    products pay for TF32."""
     return "bf16" if dots == "tf32" else dots
 
 
@@ -315,8 +317,9 @@ def _chunk_states_kernel(
         start = pl.multiple_of(c * CHUNK, CHUNK)
         rows = pl.ds(start, CHUNK)
         valid = start + lax.iota(jnp.int32, CHUNK) < length  # [C]
-        # Q_c S_c off the recurrence's chain: the output pass scales its rows by the norms and decays.
-        q_state_ref[rows, :] = _dot(q_ref[rows, :].astype(jnp.float32), state, dots).astype(q_state_ref.dtype)
+        # Q_c S_c off the recurrence's chain: the output pass scales its rows by the norms and decays. The raw bf16
+        # queries against the state rounded as W S rounds it (`_coarse`): one bf16 product instead of a TF32 one.
+        q_state_ref[rows, :] = _dot(q_ref[rows, :], state, _coarse(dots)).astype(q_state_ref.dtype)
         k = jnp.where(valid[:, None], k_ref[rows, :], jnp.zeros((), k_ref.dtype))  # raw: `_next_state` scales V'
         gamma = gamma_ref[rows]
         gamma_last = gamma_ref[start + CHUNK - 1]  # padding tokens carry g = 0, so this is the last valid gamma

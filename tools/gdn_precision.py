@@ -45,7 +45,7 @@ SITES = {  # site name -> (calling function, fragments of the calling line (any 
     "state update": ("_next_state", ()),
     "W S": ("chunk_step", ("w_ref",)),
 }
-COARSE_SITES = ("solve A and A X (WY kernel)", "W S")  # the products the kernel multiplies at `_coarse(dots)`
+COARSE_SITES = ("solve A and A X (WY kernel)", "W S", "Q S")  # the products the kernel multiplies at `_coarse(dots)`
 # Q K^T multiplies the raw q and k: on bf16 inputs the kernel takes bf16 operands there, which are exact.
 RAW_SITES = ("Q K^T",)
 # The products whose errors do not feed the recurrence: the output kernel's Q K^T and A V', and Q S, which the walk
