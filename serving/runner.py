@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
+from qwen35_jax.batch import DecodeSide, InputLayout, PrefillSide, StepInputs
 from qwen35_jax.cache import CacheSpec, new_cache
 from qwen35_jax.kernels import Mixers, chunk_attention
 from qwen35_jax.model import ModelDef, forward
@@ -245,12 +245,17 @@ MARK_PROMPT = "mark_prompt"  # one program: its shapes are the step's largest pr
 COPY_PREFIX = "copy_prefix"  # one program: a prompt prefix's caches from one request to another (StateCopy)
 
 
-def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, param_leaves, *args):
-    return engine_step(model, mixer_set, jax.tree.unflatten(treedef, param_leaves), *args)
+def _step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, param_leaves, cache, token_state, packed,
+                    layout: InputLayout):  # fmt: skip
+    """The step program: its inputs come packed in one int32 array (`InputLayout`), its layout a static argument."""
+    params = jax.tree.unflatten(treedef, param_leaves)
+    return engine_step(model, mixer_set, params, cache, token_state, layout.unpack(packed))
 
 
-def _prompt_step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, num_top: int, param_leaves, *args):
-    return prompt_logprobs_step(model, mixer_set, num_top, jax.tree.unflatten(treedef, param_leaves), *args)
+def _prompt_step_on_leaves(treedef, model: ModelDef, mixer_set: Mixers, num_top: int, param_leaves, cache,
+                           token_state, packed, targets, layout: InputLayout):  # fmt: skip
+    params = jax.tree.unflatten(treedef, param_leaves)
+    return prompt_logprobs_step(model, mixer_set, num_top, params, cache, token_state, layout.unpack(packed), targets)
 
 
 def prompt_logprobs_step(model: ModelDef, mixer_set: Mixers, num_top: int, params, cache, token_state, inputs,
@@ -383,9 +388,11 @@ class Runner:
         # The programs take the weights as a flat list: flattening the nnx tree runs Python per variable, which
         # at 4B with per-group weights (426 arrays) cost ~0.35 ms of host time per step.
         self._param_leaves, treedef = jax.tree.flatten(params)
-        self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set), donate_argnums=(1, 2))
+        self._jitted = jax.jit(partial(_step_on_leaves, treedef, model_def, mixer_set), static_argnums=(4,),
+                               donate_argnums=(1, 2))  # fmt: skip
         self._prompt_jitted = jax.jit(partial(_prompt_step_on_leaves, treedef, model_def, mixer_set, num_top_logprobs),
-                                      donate_argnums=(1, 2))  # fmt: skip
+                                      static_argnums=(5,), donate_argnums=(1, 2))  # fmt: skip
+        self._layouts: dict[tuple[int, int, int], InputLayout] = {}  # by step key
         self._row_jitted = {"sample": jax.jit(sampler_step, donate_argnums=(2, 3)),
                             "top": jax.jit(partial(top_logprobs, num_top=num_top_logprobs)),
                             MARK_PROMPT: jax.jit(mark_prompt_tokens, donate_argnums=0),
@@ -475,13 +482,26 @@ class Runner:
         prefill = PrefillSide(i32((p, t)), i32((p,)), i32((p,)), i32((p,)), i32((p, w))) if p else None
         return StepInputs(decode, prefill)
 
+    def input_layout(self, key) -> InputLayout:
+        """How step program `key` takes its inputs: one packed int32 array (`InputLayout`)."""
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = InputLayout.of(self._abstract_inputs(key))
+        return layout
+
+    def lowering_args(self, key) -> tuple:
+        """The arguments that trace step program `key` (`self._jitted`), its static layout last."""
+        layout = self.input_layout(key)
+        return self._param_leaves, self.cache, self.token_state, layout.abstract(), layout
+
     def _lower(self, key):
-        return self._jitted.lower(self._param_leaves, self.cache, self.token_state, self._abstract_inputs(key))
+        return self._jitted.lower(*self.lowering_args(key))
 
     def _lower_prompt_program(self, t: int):
+        layout = self.input_layout((0, 1, t))
         targets = jax.ShapeDtypeStruct((t,), jnp.int32)
-        return self._prompt_jitted.lower(self._param_leaves, self.cache, self.token_state,
-                                         self._abstract_inputs((0, 1, t)), targets)  # fmt: skip
+        return self._prompt_jitted.lower(self._param_leaves, self.cache, self.token_state, layout.abstract(), targets,
+                                         layout)  # fmt: skip
 
     def _lower_row_program(self, key: tuple[str, int]):
         kind, r = key
@@ -719,7 +739,8 @@ class Runner:
     def _run_on_padding(self, key, executable, inputs: StepInputs):
         """One run of step program `key` on `padding_inputs(key)` (it writes nothing a request reads); it counts as
         the program's warm-up. Returns its token outputs."""
-        self.cache, self.token_state, outputs, _ = executable(self._param_leaves, self.cache, self.token_state, inputs)
+        packed = self.input_layout(key).pack(inputs)
+        self.cache, self.token_state, outputs, _ = executable(self._param_leaves, self.cache, self.token_state, packed)
         self._warm.add(key)
         return outputs
 
@@ -760,7 +781,7 @@ class Runner:
         else:
             executable = self.executables.get(key) or self.compile(key)
             self.cache, self.token_state, (tokens, chosen), logits = executable(
-                self._param_leaves, self.cache, self.token_state, inputs
+                self._param_leaves, self.cache, self.token_state, self.input_layout(key).pack(inputs)
             )
         self._mark_prompts(plan, sampling[len(plan.decode) :])
         if any(row.needs_sampler for row in sampling):
@@ -783,7 +804,7 @@ class Runner:
         chunk = plan.prefill[0]
         targets[: len(chunk.targets)] = chunk.targets
         self.cache, self.token_state, greedy_outputs, logits, prompt_outputs = self.prompt_program(key[2])(
-            self._param_leaves, self.cache, self.token_state, inputs, targets
+            self._param_leaves, self.cache, self.token_state, self.input_layout(key).pack(inputs), targets
         )
         return greedy_outputs, logits, prompt_outputs
 

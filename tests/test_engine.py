@@ -757,6 +757,17 @@ def spy_row_programs(runner, monkeypatch) -> list[tuple[str, int]]:
     return used
 
 
+def test_every_step_program_takes_its_inputs_as_one_host_array(engine):
+    """Each host array a call hands over costs the launch its own transfer, so every step program takes the step's
+    inputs packed in one int32 array, besides the weights, the caches and the token state."""
+    runner = engine.runner
+    num_state = len(jax.tree.leaves((runner._param_leaves, runner.cache, runner.token_state)))
+    for key in runner.buckets.keys():
+        args = jax.tree.leaves(runner.executables[key].args_info)
+        assert len(args) == num_state + 1, key
+        assert args[-1].shape == (runner.input_layout(key).size,) and args[-1].dtype == jnp.int32, key
+
+
 def test_serving_compiles_nothing_new(engine, monkeypatch):
     """A workload that runs every bucket program (prefill-only, decode-only and unified, at every B and T), every
     row program (sampled decoders and top logprobs at every output row count, the prompt-token marker, the prefix

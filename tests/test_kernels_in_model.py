@@ -61,9 +61,7 @@ def lowered_4b_step(kernel_set, key, per_group: bool = False) -> str:
     decode, chunks, tokens = key
     buckets = Buckets((max(decode, 1),), (max(chunks, 1),), (max(tokens, 64),))
     runner = Runner(model_def, params, kernel_set, CacheSpec(4, 16, 2), buckets, 256)
-    return lower_jitted_for_h200(
-        runner._jitted, runner._param_leaves, runner.cache, runner.token_state, runner._abstract_inputs(key)
-    ).as_text()
+    return lower_jitted_for_h200(runner._jitted, *runner.lowering_args(key)).as_text()
 
 
 @pytest.mark.parametrize("layout", ["stacked", "per_group"])

@@ -36,7 +36,8 @@ def traced_program(runner, key, runs: int) -> list[dict]:
 
     import jax
 
-    executable, inputs = runner.executables[key], runner.padding_inputs(key)
+    executable = runner.executables[key]
+    inputs = runner.input_layout(key).pack(runner.padding_inputs(key))
 
     def run(n):
         for _ in range(n):

@@ -53,7 +53,7 @@ def compile_step(key: tuple[int, int, int], preset: str, max_batch: int, num_pag
     import jax.numpy as jnp
     from jax.experimental import topologies
 
-    from qwen35_jax.batch import DecodeSide, PrefillSide, StepInputs
+    from qwen35_jax.batch import DecodeSide, InputLayout, PrefillSide, StepInputs
     from qwen35_jax.cache import Cache, CacheSpec
     from qwen35_jax.config import preset as model_preset
     from qwen35_jax.kernels import mixers
@@ -83,9 +83,11 @@ def compile_step(key: tuple[int, int, int], preset: str, max_batch: int, num_pag
     )
     prefill = PrefillSide(abstract((p, t), jnp.int32), *(abstract((p,), jnp.int32) for _ in range(3)),
                           abstract((p, page_table_width), jnp.int32))  # fmt: skip
-    inputs = StepInputs(decode if b else None, prefill if p else None)
-    step = jax.jit(partial(_step_on_leaves, treedef, model_def, mixers("pallas")), donate_argnums=(1, 2))
-    lowered = step.trace(param_leaves, cache, abstract((slots,), jnp.int32), inputs).lower()
+    layout = InputLayout.of(StepInputs(decode if b else None, prefill if p else None))
+    step = jax.jit(partial(_step_on_leaves, treedef, model_def, mixers("pallas")), static_argnums=(4,),
+                   donate_argnums=(1, 2))  # fmt: skip
+    packed = abstract((layout.size,), jnp.int32)
+    lowered = step.trace(param_leaves, cache, abstract((slots,), jnp.int32), packed, layout).lower()
     return lowered.compile(gpu_step_options(key) or None), len(param_leaves)
 
 
