@@ -2,7 +2,7 @@
 inputs handed over as numpy arrays against device arrays, and starting an output's copy to the host.
 
 The engine's launch is one compiled call with ~330 arguments (the weights, the caches, the step's inputs), its
-inputs come as numpy arrays, and it starts a device-to-host copy of each output the host will read
+inputs come as one packed numpy array (`InputLayout`; four apart before), and it starts a device-to-host copy of each output the host will read
 (`Runner.launch`). The issue's host-time line counts all of it, so this probe prices each part alone on the
 machine at hand. Every figure is host time a call, the calls dispatched back to back with no waits (the device
 work is a few microseconds, so nothing queues behind it).
@@ -57,6 +57,10 @@ def main(argv=None) -> int:
     program = jax.jit(lambda t, p, s, w: t + p + s + w[:, 0]).lower(*on_device).compile()
     rows["inputs_from_device_us"] = per_call_us(lambda: program(*on_device), args.calls)
     rows["inputs_from_numpy_us"] = per_call_us(lambda: program(*on_host), args.calls)
+    # The same inputs packed into one numpy array, as the runner sends them.
+    packed = np.zeros(sum(np.prod(s) for s in shapes), np.int32)
+    program = jax.jit(lambda x: x[0:1] + x[1:2] + x[2:3] + x[3:].reshape(1, 80)[:, 0]).lower(packed).compile()
+    rows["packed_inputs_from_numpy_us"] = per_call_us(lambda: program(packed), args.calls)
 
     # Starting an output's copy to the host, after a one-argument program.
     x = jnp.ones((1,), jnp.int32)
