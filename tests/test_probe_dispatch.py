@@ -17,7 +17,8 @@ def test_the_probe_prices_every_part(tmp_path, capsys):
     assert probe.main(["--args", "2", "40", "--calls", "20", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     parts = ["dispatch_2_args_us", "dispatch_40_args_us", "inputs_from_device_us", "inputs_from_numpy_us",
-             "packed_inputs_from_numpy_us",
+             "packed_inputs_from_numpy_us", "one_arg_program_to_pinned_host_us", "copy_round_trip_us",
+             "pinned_host_round_trip_us",
              "one_arg_program_us", "one_arg_program_and_copy_us"]  # fmt: skip
     assert sorted(rows) == sorted(["device", *parts])
     assert all(rows[k] > 0 for k in parts)

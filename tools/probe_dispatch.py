@@ -1,5 +1,6 @@
 """What a step's launch costs the host, part by part: the dispatch of a compiled program against its argument count,
-inputs handed over as numpy arrays against device arrays, and starting an output's copy to the host.
+inputs handed over as numpy arrays against device arrays, and starting an output's copy to the host against
+writing it to pinned host memory.
 
 The engine's launch is one compiled call with ~330 arguments (the weights, the caches, the step's inputs), its
 inputs come as one packed numpy array (`InputLayout`; four apart before), and it starts a device-to-host copy of each output the host will read
@@ -73,6 +74,13 @@ def main(argv=None) -> int:
 
     rows["one_arg_program_us"] = per_call_us(lambda: add(x), args.calls)
     rows["one_arg_program_and_copy_us"] = per_call_us(add_and_copy, args.calls)
+    # The program writing its output to pinned host memory instead (no copy to start), and each form's whole
+    # round trip: the call, then the output read on the host (np.asarray waits for the tiny program).
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    add_pinned = jax.jit(lambda v: v + 1, out_shardings=pinned).lower(x).compile()
+    rows["one_arg_program_to_pinned_host_us"] = per_call_us(lambda: add_pinned(x), args.calls)
+    rows["copy_round_trip_us"] = per_call_us(lambda: np.asarray(add_and_copy()), args.calls)
+    rows["pinned_host_round_trip_us"] = per_call_us(lambda: np.asarray(add_pinned(x)), args.calls)
     for key, value in rows.items():
         print(f"{key:32s} {value if isinstance(value, str) else f'{value:8.1f}'}")
     if args.json:
