@@ -3,8 +3,8 @@ inputs handed over as numpy arrays against device arrays, and starting an output
 writing it to pinned host memory.
 
 The engine's launch is one compiled call with ~330 arguments (the weights, the caches, the step's inputs), its
-inputs come as one packed numpy array (`InputLayout`; four apart before), and it starts a device-to-host copy of each output the host will read
-(`Runner.launch`). The issue's host-time line counts all of it, so this probe prices each part alone on the
+inputs come as one packed numpy array (`InputLayout`), and it starts a device-to-host copy of each output the host
+will read (`Runner.launch`). The issue's host-time line counts all of it, so this probe prices each part alone on the
 machine at hand. Every figure is host time a call, the calls dispatched back to back with no waits (the device
 work is a few microseconds, so nothing queues behind it).
 
