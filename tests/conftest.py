@@ -12,8 +12,56 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
+# The files that build engines, servers or golden models, longest first (seconds of work on the 2-core CPU, from
+# `tools/test.sh --durations=0`). `tools/test.sh` deals whole files to two workers in this order. xdist's own
+# order, the files with the most tests first, dealt out the long server and overlap files late, and one worker ran
+# on alone for a minute or more; dealt longest first, the short files fill in at the end.
+LONGEST_FILES = (
+    "test_golden.py",  # ~280 s
+    "test_notebooks.py",  # ~50 s after test_golden.py on the same worker (SAME_WORKER), ~140 s alone
+    "test_engine.py",  # ~240 s
+    "test_background_compile.py",  # ~155 s
+    "test_kernels_gdn_prefill.py",  # ~130 s
+    "test_kernels_gdn_decode.py",  # ~125 s
+    "test_server.py",  # ~115 s
+    "test_kernels_in_model.py",
+    "test_overlap.py",
+    "test_deterministic.py",
+    "test_program_store.py",
+    "test_structured_output.py",
+    "test_bad_input.py",
+    "test_fuzz.py",
+)
+
+# Files dealt to the worker of another file, after it. The accuracy notebook runs the full prefills that
+# test_golden.py compiles, and loads them from that worker's compilation cache (tests/test_notebooks.py).
+SAME_WORKER = {"test_notebooks.py": "test_golden.py"}
+
+
+def longest_files_first(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests keep their order in a file
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a venv without it does not have
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with SAME_WORKER's files in their partner's work unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFilePairs(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            folder, _, name = path.rpartition("/")
+            partner = SAME_WORKER.get(name)
+            return f"{folder}/{partner}" if partner else path
+
+    return LoadFilePairs(config, log)
+
 
 def pytest_collection_modifyitems(config, items):
+    longest_files_first(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return  # no jax import (and no backend start) for the host-only test files

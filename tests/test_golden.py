@@ -20,10 +20,19 @@ import pytest
 
 from qwen35_jax.api import load_model
 from qwen35_jax.golden import BF16_MEAN, BF16_P99, FP32_MAX_ABS_LOGIT, bf16_stats, gate_report, load_golden
+from qwen35_jax.serving.factory import enable_compile_cache
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 CASES = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.npz").is_file())
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def session_compile_cache(compile_cache_dir):
+    """Writes this file's programs to the session's XLA cache, where the accuracy notebook, run after this file on
+    the same worker (conftest.SAME_WORKER), loads the same full prefills instead of compiling them (~100 s of the
+    2-core CPU). No engine has enabled the cache yet when this file runs first on its worker."""
+    enable_compile_cache(compile_cache_dir)
 
 
 @pytest.fixture(scope="module", params=CASES)

@@ -9,8 +9,10 @@ cd "$(dirname "$0")/.."
 # fp32 rounding, and programs compared bit for bit are compiled alike.
 export XLA_FLAGS="--xla_backend_optimization_level=0 ${XLA_FLAGS:-}"
 # Two workers, each taking whole files (so a file's module fixtures, compiled engines mostly, are built once): the
-# suite took 10:24 against 12:46-14:04 in one process on the 2-core machine. `-n 0` after it runs in one process;
-# a .venv made before pytest-xdist joined the dev extra runs in one process too (tools/setup-venv.sh adds it).
+# suite took 10:24 against 12:46-14:04 in one process on the 2-core machine. The files are dealt in the order
+# tests/conftest.py gives them, longest first, not xdist's default of the most tests first. `-n 0` after it runs
+# in one process; a .venv made before pytest-xdist joined the dev extra runs in one process too
+# (tools/setup-venv.sh adds it).
 workers=()
-.venv/bin/python -c "import xdist" 2>/dev/null && workers=(-n 2 --dist loadfile)
+.venv/bin/python -c "import xdist" 2>/dev/null && workers=(-n 2 --dist loadfile --no-loadscope-reorder)
 JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}" .venv/bin/python -m pytest -q "${workers[@]}" "$@"
