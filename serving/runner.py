@@ -92,18 +92,26 @@ CONCURRENT_GRAPH = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 # their command buffers: their kernels are short and the launch is the host's largest cost (batch 1: 3.12 against
 # 2.89 ms without).
 PREFILL_WITHOUT_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+# On a GPU, no step program goes through XLA's rematerialization pass. The pass budgets a program against the device
+# memory less its parameters and outputs, and a step's are the weights and the caches, which fill most of the
+# device: with the engine's default memory fraction the 4B programs count as ~124 GB against a ~51 GB limit, so the
+# pass rewrites them for memory they never run short of (the caches are donated and updated in place) and still
+# warns that it cannot reach its limit. On an H100 at 4B, one 1024-token prompt at a time, the prefill took 18.29 ms
+# without the pass against 20.32 ms with it (the mean of the best of three, five runs each, alternating on one
+# machine); the 8192-token prefill and batch-1 decode were the same with and without (docs/performance.md).
+NO_REMATERIALIZATION = {"xla_disable_hlo_passes": "rematerialization"}
 # XLA runs a program with command buffers op by op the first time, and records and instantiates its CUDA graph (a
 # few hundred kernel nodes) on the second run: `warm_up` makes both runs, so neither lands in a request's step.
 WARM_UP_RUNS = 2
 
 
 def gpu_step_options(key) -> dict:
-    """XLA options of the step program `key` (B, P, T) for a GPU: PINNED_GEMMS with decode rows and two logit rows
-    or more, PREFILL_WITHOUT_GRAPHS without decode rows."""
+    """XLA options of the step program `key` (B, P, T) for a GPU: NO_REMATERIALIZATION, with PINNED_GEMMS where it
+    has decode rows and two logit rows or more, PREFILL_WITHOUT_GRAPHS where it has no decode rows."""
     decode_rows, prefill_rows, _ = key
     if not decode_rows:
-        return dict(PREFILL_WITHOUT_GRAPHS)
-    return dict(PINNED_GEMMS) if decode_rows + prefill_rows >= 2 else {}
+        return NO_REMATERIALIZATION | PREFILL_WITHOUT_GRAPHS
+    return NO_REMATERIALIZATION | (PINNED_GEMMS if decode_rows + prefill_rows >= 2 else {})
 
 
 # The smallest chunk bucket beside decode rows. Up to a few hundred rows, the dense layers read every weight
@@ -530,9 +538,9 @@ class Runner:
                                      jax.tree.structure(self.params), jax.tree.leaves(params))))  # fmt: skip
 
     def compiler_options(self, family: str, key) -> dict | None:
-        """XLA options of one program: on a GPU, step programs with decode rows and two logit rows or more take
-        PINNED_GEMMS, prefill-only ones PREFILL_WITHOUT_GRAPHS, and under `stream` the unified ones
-        CONCURRENT_GRAPH."""
+        """XLA options of one program: on a GPU, step programs skip rematerialization (NO_REMATERIALIZATION), those
+        with decode rows and two logit rows or more take PINNED_GEMMS, prefill-only ones PREFILL_WITHOUT_GRAPHS, and
+        under `stream` the unified ones CONCURRENT_GRAPH."""
         options = {}
         if family == "step" and jax.default_backend() == "gpu":
             options |= gpu_step_options(key)

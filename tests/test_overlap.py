@@ -28,6 +28,8 @@ import threading
 import time
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_engine import Collector, StepSpy, assert_same_greedy, greedy, prompt, sampled
@@ -37,6 +39,7 @@ from qwen35_jax.serving.engine import TokenLogprob
 from qwen35_jax.serving.factory import EngineConfig, compile_overlapped
 from qwen35_jax.serving.runner import (
     CONCURRENT_GRAPH,
+    NO_REMATERIALIZATION,
     PINNED_GEMMS,
     PREFILL_WITHOUT_GRAPHS,
     Buckets,
@@ -568,6 +571,23 @@ def test_on_a_gpu_prefill_only_programs_run_without_command_buffers(monkeypatch)
     for key in [(1, 0, 0), (64, 0, 0), (16, 1, 256), (1, 1, 64)]:
         assert not PREFILL_WITHOUT_GRAPHS.keys() & (Runner.compiler_options(runner, "step", key) or {}).keys()
     assert Runner.compiler_options(runner, "row", ("sample", 17)) is None
+
+
+def test_on_a_gpu_every_step_program_skips_rematerialization(monkeypatch):
+    """Every step program compiles without XLA's rematerialization pass on a GPU, whatever its sides; row programs
+    and CPU compiles keep XLA's defaults. XLA knows the option by that name: a compile with it succeeds here, where an
+    unknown option name is refused."""
+    runner = types.SimpleNamespace(overlaps=True)
+    assert not (Runner.compiler_options(runner, "step", (1, 0, 0)) or {})  # this CPU
+    monkeypatch.setattr(runner_module.jax, "default_backend", lambda: "gpu")
+    for key in [(1, 0, 0), (64, 0, 0), (0, 1, 1024), (0, 4, 128), (16, 1, 256), (1, 1, 64), (64, 8, 128)]:
+        assert NO_REMATERIALIZATION.items() <= Runner.compiler_options(runner, "step", key).items()
+    assert Runner.compiler_options(runner, "row", ("sample", 17)) is None
+    monkeypatch.undo()
+    program = jax.jit(lambda x: jnp.tanh(x) @ x).lower(jnp.ones((4, 4)))
+    assert program.compile(compiler_options=NO_REMATERIALIZATION)(jnp.eye(4))[0, 0] == pytest.approx(np.tanh(1.0))
+    with pytest.raises(Exception, match="xla_no_such_pass_option"):
+        program.compile(compiler_options={"xla_no_such_pass_option": "x"})
 
 
 @pytest.mark.parametrize("bound", [0.5, 0.999, "3", True])
