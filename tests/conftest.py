@@ -17,25 +17,27 @@ import pytest  # noqa: E402
 # order, the files with the most tests first, dealt out the long server and overlap files late, and one worker ran
 # on alone for a minute or more; dealt longest first, the short files fill in at the end.
 LONGEST_FILES = (
+    "test_server.py",  # ~330 s with the files that share its live server (SAME_WORKER)
     "test_golden.py",  # ~280 s
-    "test_notebooks.py",  # ~50 s after test_golden.py on the same worker (SAME_WORKER), ~140 s alone
+    "test_notebooks.py",  # ~30 s after test_golden.py on the same worker (SAME_WORKER), ~140 s alone
     "test_engine.py",  # ~240 s
     "test_background_compile.py",  # ~155 s
     "test_kernels_gdn_prefill.py",  # ~130 s
     "test_kernels_gdn_decode.py",  # ~125 s
-    "test_server.py",  # ~115 s
     "test_kernels_in_model.py",
     "test_overlap.py",
     "test_deterministic.py",
     "test_program_store.py",
-    "test_structured_output.py",
-    "test_bad_input.py",
-    "test_fuzz.py",
 )
 
-# Files dealt to the worker of another file, after it. The accuracy notebook runs the full prefills that
-# test_golden.py compiles, and loads them from that worker's compilation cache (tests/test_notebooks.py).
-SAME_WORKER = {"test_notebooks.py": "test_golden.py"}
+# Files dealt to the worker of another file, after it:
+# - the accuracy notebook runs the full prefills that test_golden.py compiles, and loads them from that worker's
+#   compilation cache (tests/test_notebooks.py);
+# - the files of tests/_server.py's live server, a session fixture that builds an engine (~50 s of the 2-core CPU),
+#   get it built once instead of once on each worker.
+LIVE_SERVER_FILES = ("test_bad_input.py", "test_bench.py", "test_fuzz.py", "test_responses_api.py",
+                     "test_structured_output.py", "test_tokenize.py", "test_vllm_params.py")  # fmt: skip
+SAME_WORKER = {"test_notebooks.py": "test_golden.py", **dict.fromkeys(LIVE_SERVER_FILES, "test_server.py")}
 
 
 def longest_files_first(items) -> None:
