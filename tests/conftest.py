@@ -19,13 +19,13 @@ import pytest  # noqa: E402
 LONGEST_FILES = (
     "test_server.py",  # ~330 s with the files that share its live server (SAME_WORKER)
     "test_golden.py",  # ~280 s
-    "test_notebooks.py",  # ~30 s after test_golden.py on the same worker (SAME_WORKER), ~140 s alone
-    "test_engine.py",  # ~240 s
+    "test_notebooks.py",  # ~75 s after test_golden.py on its worker (SAME_WORKER), ~145 s on the other
+    "test_engine.py",  # ~320 s with test_overlap.py (SAME_WORKER)
     "test_background_compile.py",  # ~155 s
     "test_kernels_gdn_prefill.py",  # ~130 s
     "test_kernels_gdn_decode.py",  # ~125 s
     "test_kernels_in_model.py",
-    "test_overlap.py",
+    "test_overlap.py",  # after test_engine.py (SAME_WORKER)
     "test_deterministic.py",
     "test_program_store.py",
 )
@@ -34,10 +34,16 @@ LONGEST_FILES = (
 # - the accuracy notebook runs the full prefills that test_golden.py compiles, and loads them from that worker's
 #   compilation cache (tests/test_notebooks.py);
 # - the files of tests/_server.py's live server, a session fixture that builds an engine (~50 s of the 2-core CPU),
-#   get it built once instead of once on each worker.
+#   get it built once instead of once on each worker;
+# - test_overlap.py's engines have the shapes of test_engine.py's `engine` and load its programs from the cache
+#   (65-90 s beside it, 110 s on the other worker).
 LIVE_SERVER_FILES = ("test_bad_input.py", "test_bench.py", "test_fuzz.py", "test_responses_api.py",
                      "test_structured_output.py", "test_tokenize.py", "test_vllm_params.py")  # fmt: skip
-SAME_WORKER = {"test_notebooks.py": "test_golden.py", **dict.fromkeys(LIVE_SERVER_FILES, "test_server.py")}
+SAME_WORKER = {
+    "test_notebooks.py": "test_golden.py",
+    **dict.fromkeys(LIVE_SERVER_FILES, "test_server.py"),
+    "test_overlap.py": "test_engine.py",
+}
 
 
 def longest_files_first(items) -> None:

@@ -30,7 +30,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 @pytest.fixture(scope="module", autouse=True)
 def session_compile_cache(compile_cache_dir):
     """Writes this file's programs to the session's XLA cache, where the accuracy notebook, run after this file on
-    the same worker (conftest.SAME_WORKER), loads the same full prefills instead of compiling them (~100 s of the
+    the same worker (conftest.SAME_WORKER), loads the same full prefills instead of compiling them (~70 s of the
     2-core CPU). No engine has enabled the cache yet when this file runs first on its worker."""
     enable_compile_cache(compile_cache_dir)
 
