@@ -13,9 +13,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 # The files that build engines, servers or golden models, longest first (seconds of work on the 2-core CPU, from
-# `tools/test.sh --durations=0`). `tools/test.sh` deals whole files to two workers in this order. xdist's own
-# order, the files with the most tests first, dealt out the long server and overlap files late, and one worker ran
-# on alone for a minute or more; dealt longest first, the short files fill in at the end.
+# `tools/test.sh --durations=0`). `tools/test.sh` deals whole files (with SAME_WORKER's partners) to two workers in
+# this order instead of xdist's, the files with the most tests first: the long units go out first and the short
+# files fill in at the end, so that the two workers finish together.
 LONGEST_FILES = (
     "test_server.py",  # ~330 s with the files that share its live server (SAME_WORKER)
     "test_golden.py",  # ~280 s
@@ -61,9 +61,8 @@ def pytest_xdist_make_scheduler(config, log):
     class LoadFilePairs(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = super()._split_scope(nodeid)
-            folder, _, name = path.rpartition("/")
-            partner = SAME_WORKER.get(name)
-            return f"{folder}/{partner}" if partner else path
+            name = path.rpartition("/")[2]
+            return path[: len(path) - len(name)] + SAME_WORKER.get(name, name)
 
     return LoadFilePairs(config, log)
 
